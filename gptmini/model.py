@@ -1,0 +1,271 @@
+"""The GPT model of the book's chapter 4, built on `MultiHeadAttention`.
+
+Token + position embeddings, dropout, `n_layers` pre-LayerNorm transformer blocks
+(attention and a 4x GELU feed-forward, each inside a residual), a final LayerNorm and a
+linear output head. Imports only torch, so the model can be lifted into any training loop.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from gptmini.attention import KVCache, MultiHeadAttention
+
+# The book's configuration dictionary, field for field.
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a GPT model, with the book's field names."""
+
+    vocab_size: int = 50257
+    """Number of token ids; 50257 for GPT-2's BPE."""
+    context_length: int = 1024
+    """Most tokens the model sees at once (size of the position embedding)."""
+    emb_dim: int = 768
+    """Width of the residual stream."""
+    n_heads: int = 12
+    """Attention (query) heads per layer; must divide emb_dim."""
+    n_layers: int = 12
+    """Transformer blocks."""
+    drop_rate: float = 0.1
+    """Dropout on embeddings, attention weights and residual branches."""
+    qkv_bias: bool = False
+    """Bias in the query, key and value projections (GPT-2 has it)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads, 1 multi-query."""
+    window_size: int | None = None
+    """Sliding-window attention: each token sees this many most recent tokens; None = all."""
+    tie_weights: bool = False
+    """Share the token embedding with the output head (GPT-2 does; the book does not)."""
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, fix: str):
+            if not ok:
+                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+
+        for field in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            value = getattr(self, field)
+            need(isinstance(value, int) and value >= 1, field, "use a positive integer")
+        need(
+            self.emb_dim % self.n_heads == 0,
+            "n_heads",
+            f"it must divide emb_dim={self.emb_dim}",
+        )
+        need(0.0 <= self.drop_rate < 1.0, "drop_rate", "use a value in [0, 1)")
+        if self.n_kv_heads is not None:
+            need(
+                isinstance(self.n_kv_heads, int)
+                and self.n_kv_heads >= 1
+                and self.n_heads % self.n_kv_heads == 0,
+                "n_kv_heads",
+                f"use a divisor of n_heads={self.n_heads}, or None for one per query head",
+            )
+        if self.window_size is not None:
+            need(
+                isinstance(self.window_size, int) and self.window_size >= 1,
+                "window_size",
+                "use a positive integer, or None for full causal attention",
+            )
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """A named preset (see `PRESETS`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_GPT2 = {"vocab_size": 50257, "context_length": 1024, "drop_rate": 0.0, "qkv_bias": True,
+         "tie_weights": True}
+PRESETS: dict[str, dict] = {
+    # The book's four GPT-2 sizes (named by OpenAI's parameter counts).
+    "gpt2-124m": {**_GPT2, "emb_dim": 768, "n_layers": 12, "n_heads": 12},
+    "gpt2-355m": {**_GPT2, "emb_dim": 1024, "n_layers": 24, "n_heads": 16},
+    "gpt2-774m": {**_GPT2, "emb_dim": 1280, "n_layers": 36, "n_heads": 20},
+    "gpt2-1558m": {**_GPT2, "emb_dim": 1600, "n_layers": 48, "n_heads": 25},
+    # Sizes that train on a laptop CPU in minutes.
+    "cpu-tiny": {"vocab_size": 50257, "context_length": 64, "emb_dim": 64, "n_layers": 2,
+                 "n_heads": 2, "drop_rate": 0.0, "tie_weights": True},
+    "cpu-small": {"vocab_size": 50257, "context_length": 128, "emb_dim": 256, "n_layers": 4,
+                  "n_heads": 4, "drop_rate": 0.1, "tie_weights": True},
+}
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: emb_dim -> 4 * emb_dim -> emb_dim with GELU (tanh approximation)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
+            nn.GELU(approximate="tanh"),  # the book's and GPT-2's GELU
+            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.att = MultiHeadAttention(
+            d_in=cfg.emb_dim,
+            d_out=cfg.emb_dim,
+            context_length=cfg.context_length,
+            dropout=cfg.drop_rate,
+            num_heads=cfg.n_heads,
+            qkv_bias=cfg.qkv_bias,
+            num_kv_heads=cfg.n_kv_heads,
+            window_size=cfg.window_size,
+        )
+        self.ff = FeedForward(cfg)
+        self.norm1 = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
+        self.norm2 = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
+        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+
+    def forward(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        att = self.att(
+            self.norm1(x), attention_mask, kv_cache=kv_cache, return_weights=return_weights
+        )
+        weights = None
+        if return_weights:
+            att, weights = att
+        x = x + self.drop_shortcut(att)
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        return (x, weights) if return_weights else x
+
+
+class GPTModel(nn.Module):
+    """GPT-2 style decoder-only language model."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        self.drop_emb = nn.Dropout(cfg.drop_rate)
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.final_norm = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2 scales the projections that write into the residual stream by
+        # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth.
+        for block in self.trf_blocks:
+            for proj in (block.att.out_proj, block.ff.layers[2]):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        if cfg.tie_weights:
+            self.out_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self,
+        in_idx: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        kv_caches: list[KVCache] | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """Next-token logits for every position.
+
+        Args:
+            in_idx: (b, num_tokens) token ids.
+            attention_mask: optional (b, num_keys) mask, 1 at real tokens and 0 at padding,
+                covering cached tokens too. Positions count from each row's first real
+                token, so a left-padded prompt is embedded as it would be alone.
+            kv_caches: one `KVCache` per layer; new keys and values are appended.
+            return_weights: also return each layer's attention weights
+                (b, n_heads, num_tokens, num_keys), from the explicit attention path.
+
+        Returns:
+            Logits (b, num_tokens, vocab_size), and with `return_weights` the list of weights.
+        """
+        b, num_tokens = in_idx.shape
+        past = len(kv_caches[0]) if kv_caches else 0
+        if past + num_tokens > self.cfg.context_length:
+            raise ValueError(
+                f"got {past + num_tokens} tokens but context_length is "
+                f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
+                f"tokens (idx[:, -{self.cfg.context_length}:])"
+            )
+        if attention_mask is None:
+            positions = torch.arange(past, past + num_tokens, device=in_idx.device)
+        else:
+            # Position of each token among its row's real tokens: (b, num_tokens)
+            positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+            positions = positions[:, -num_tokens:]
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
+
+        all_weights = []
+        for i, block in enumerate(self.trf_blocks):
+            cache = kv_caches[i] if kv_caches else None
+            x = block(x, attention_mask, cache, return_weights)
+            if return_weights:
+                x, weights = x
+                all_weights.append(weights)
+        logits = self.out_head(self.final_norm(x))
+        return (logits, all_weights) if return_weights else logits
+
+    def new_kv_caches(self) -> list[KVCache]:
+        """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
+        return [KVCache() for _ in self.trf_blocks]
+
+
+def num_parameters(model: nn.Module, non_embedding: bool = False) -> int:
+    """Parameters counted once (a tied head is not counted twice).
+
+    With `non_embedding`, the token and position embeddings are left out, the count
+    scaling laws and FLOP estimates use; an untied output head still counts.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    if non_embedding and isinstance(model, GPTModel):
+        total -= model.pos_emb.weight.numel()
+        if not model.cfg.tie_weights:
+            total -= model.tok_emb.weight.numel()
+    return total
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token, the PaLM appendix estimate.
+
+    6 per matmul weight (2 forward, 4 backward), counting the output head whether tied or
+    not, plus 12 * n_layers * emb_dim * seq_len for the attention scores and their use.
+    """
+    seq_len = cfg.context_length if seq_len is None else seq_len
+    d, n_layers = cfg.emb_dim, cfg.n_layers
+    kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
+    per_layer = d * d + 2 * d * kv_dim + d * d + 8 * d * d  # q, k, v, out_proj, feed-forward
+    matmul_weights = n_layers * per_layer + d * cfg.vocab_size
+    attention = 12 * n_layers * d * seq_len
+    return 6 * matmul_weights + attention

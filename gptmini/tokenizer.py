@@ -1,0 +1,70 @@
+"""GPT-2 byte-pair encoding through tiktoken, built offline from the vendored vocabulary.
+
+`tiktoken.get_encoding("gpt2")` downloads its vocabulary on first use; gptmini ships that
+file (gptmini/assets/gpt2.tiktoken, see NOTICE there) and builds the same `Encoding`
+from it, so tokenizing never needs a network. Other tiktoken encodings are loaded by name
+through tiktoken, which may download them.
+"""
+
+import hashlib
+from functools import cache
+from pathlib import Path
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+ASSETS = Path(__file__).parent / "assets"
+GPT2_VOCAB = ASSETS / "gpt2.tiktoken"
+GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+END_OF_TEXT = "<|endoftext|>"
+
+# GPT-2's pre-tokenizer split pattern (the one tiktoken's "gpt2" encoding uses).
+GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+@cache
+def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
+    """The tiktoken `Encoding` called `name`; "gpt2" is built from the vendored file.
+
+    Raises:
+        RuntimeError: the vendored vocabulary is missing or altered, or another encoding
+            could not be fetched (no network).
+    """
+    if name == "gpt2":
+        return _gpt2_offline()
+    try:
+        return tiktoken.get_encoding(name)
+    except ValueError as err:  # unknown name
+        raise ValueError(
+            f"unknown tokenizer {name!r}: {err}. gptmini ships 'gpt2' for offline use"
+        ) from err
+    except Exception as err:  # network errors come in many types (requests, urllib, ...)
+        raise RuntimeError(
+            f"tokenizer {name!r} needs its vocabulary from the internet and could not get it "
+            f"({type(err).__name__}: {err}). Use tokenizer 'gpt2', which gptmini ships, or "
+            "connect once so tiktoken caches the file (TIKTOKEN_CACHE_DIR)."
+        ) from err
+
+
+def _gpt2_offline() -> tiktoken.Encoding:
+    if not GPT2_VOCAB.is_file():
+        raise RuntimeError(
+            f"the GPT-2 vocabulary {GPT2_VOCAB} is missing; reinstall gptmini "
+            "(pip install -e .) so its assets are in place"
+        )
+    digest = hashlib.sha256(GPT2_VOCAB.read_bytes()).hexdigest()
+    if digest != GPT2_SHA256:
+        raise RuntimeError(
+            f"the GPT-2 vocabulary {GPT2_VOCAB} is altered (sha256 {digest}, expected "
+            f"{GPT2_SHA256}); restore it from the gptmini repository"
+        )
+    ranks = load_tiktoken_bpe(str(GPT2_VOCAB))
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={END_OF_TEXT: len(ranks)},
+        explicit_n_vocab=len(ranks) + 1,
+    )

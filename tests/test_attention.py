@@ -1,0 +1,393 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gptmini.attention import (
+    KVCache,
+    MultiHeadAttention,
+    causal_mask,
+    padding_mask,
+    sliding_window_mask,
+)
+from gptmini.reference import (
+    CausalAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+)
+
+# "Your journey starts with one step", embedded in 3 dimensions (book section 3.3).
+INPUTS = torch.tensor(
+    [
+        [0.43, 0.15, 0.89],
+        [0.55, 0.87, 0.66],
+        [0.57, 0.85, 0.64],
+        [0.22, 0.58, 0.33],
+        [0.77, 0.25, 0.10],
+        [0.05, 0.80, 0.55],
+    ]
+)
+BATCH = torch.stack((INPUTS, INPUTS), dim=0)
+
+
+def make_mha(*args, seed=0, **kwargs) -> MultiHeadAttention:
+    torch.manual_seed(seed)
+    return MultiHeadAttention(*args, **kwargs).eval()
+
+
+def both_paths(mha: MultiHeadAttention, x, attention_mask=None):
+    mha.use_sdpa = True
+    fast = mha(x, attention_mask)
+    mha.use_sdpa = False
+    explicit = mha(x, attention_mask)
+    mha.use_sdpa = True
+    return fast, explicit
+
+
+# --- the book's printed numbers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_multihead_attention_prints_the_books_numbers(use_sdpa):
+    """Listing 3.5 under torch.manual_seed(123) prints these context vectors."""
+    torch.manual_seed(123)
+    mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, use_sdpa=use_sdpa)
+    expected = torch.tensor(
+        [
+            [0.3190, 0.4858],
+            [0.2943, 0.3897],
+            [0.2856, 0.3593],
+            [0.2693, 0.3873],
+            [0.2639, 0.3928],
+            [0.2575, 0.4028],
+        ]
+    )
+    out = mha(BATCH)
+    assert out.shape == (2, 6, 2)
+    torch.testing.assert_close(out[0], expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], expected, atol=1e-4, rtol=0)
+
+
+def test_parameter_names_and_order_are_the_books():
+    mha = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12)
+    names = [name for name, _ in mha.named_parameters()]
+    assert names == [
+        "W_query.weight",
+        "W_key.weight",
+        "W_value.weight",
+        "out_proj.weight",
+        "out_proj.bias",
+    ]
+    # Exercise 3.3: a GPT-2 sized module has 2,360,064 parameters.
+    assert sum(p.numel() for p in mha.parameters()) == 2_360_064
+
+
+def test_reference_variants_print_the_books_numbers():
+    torch.manual_seed(789)
+    sa_v2 = SelfAttention_v2(3, 2)
+    expected_v2 = torch.tensor(
+        [[-0.0739, 0.0713], [-0.0748, 0.0703], [-0.0749, 0.0702],
+         [-0.0760, 0.0685], [-0.0763, 0.0679], [-0.0754, 0.0693]]
+    )
+    torch.testing.assert_close(sa_v2(INPUTS), expected_v2, atol=1e-4, rtol=0)
+
+    torch.manual_seed(123)
+    wrapper = MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
+    expected_wrapper = torch.tensor(
+        [[-0.4519, 0.2216, 0.4772, 0.1063], [-0.5874, 0.0058, 0.5891, 0.3257],
+         [-0.6300, -0.0632, 0.6202, 0.3860], [-0.5675, -0.0843, 0.5478, 0.3589],
+         [-0.5526, -0.0981, 0.5321, 0.3428], [-0.5299, -0.1081, 0.5077, 0.3493]]
+    )
+    torch.testing.assert_close(wrapper(BATCH)[1], expected_wrapper, atol=1e-4, rtol=0)
+
+
+def test_self_attention_v1_equals_v2_with_transposed_weights():
+    """Exercise 3.1: nn.Linear stores its weight transposed."""
+    torch.manual_seed(123)
+    sa_v2 = SelfAttention_v2(3, 2)
+    sa_v1 = SelfAttention_v1(3, 2)
+    with torch.no_grad():
+        sa_v1.W_query.copy_(sa_v2.W_query.weight.T)
+        sa_v1.W_key.copy_(sa_v2.W_key.weight.T)
+        sa_v1.W_value.copy_(sa_v2.W_value.weight.T)
+    torch.testing.assert_close(sa_v1(INPUTS), sa_v2(INPUTS))
+
+
+# --- the two paths and the seed's variants agree ----------------------------------------
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize(("b", "num_tokens", "d_in", "d_out", "heads"),
+                         [(1, 1, 4, 4, 1), (2, 7, 8, 8, 2), (3, 16, 12, 24, 4), (2, 33, 32, 32, 8)])
+def test_fast_path_equals_explicit_path(qkv_bias, b, num_tokens, d_in, d_out, heads):
+    mha = make_mha(d_in, d_out, 64, 0.0, heads, qkv_bias)
+    fast, explicit = both_paths(mha, torch.randn(b, num_tokens, d_in))
+    torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize(("num_tokens", "heads", "head_dim"), [(5, 1, 3), (6, 2, 2), (9, 4, 3)])
+def test_multihead_equals_wrapper_of_causal_heads(qkv_bias, num_tokens, heads, head_dim):
+    """Weight splitting (3.6.2) computes what stacking CausalAttention heads (3.6.1) does."""
+    d_in = 5
+    wrapper = MultiHeadAttentionWrapper(d_in, head_dim, 16, 0.0, heads, qkv_bias).eval()
+    mha = make_mha(d_in, heads * head_dim, 16, 0.0, heads, qkv_bias)
+    with torch.no_grad():
+        for name in ("W_query", "W_key", "W_value"):
+            getattr(mha, name).weight.copy_(
+                torch.cat([getattr(h, name).weight for h in wrapper.heads], dim=0)
+            )
+            if qkv_bias:
+                getattr(mha, name).bias.copy_(
+                    torch.cat([getattr(h, name).bias for h in wrapper.heads], dim=0)
+                )
+        mha.out_proj.weight.copy_(torch.eye(heads * head_dim))  # the wrapper has no out_proj
+        mha.out_proj.bias.zero_()
+    x = torch.randn(2, num_tokens, d_in)
+    for out in both_paths(mha, x):
+        torch.testing.assert_close(out, wrapper(x), atol=1e-5, rtol=1e-5)
+
+
+def test_single_head_equals_causal_attention():
+    ca = CausalAttention(3, 2, 6, 0.0).eval()
+    mha = make_mha(3, 2, 6, 0.0, 1)
+    with torch.no_grad():
+        for name in ("W_query", "W_key", "W_value"):
+            getattr(mha, name).weight.copy_(getattr(ca, name).weight)
+        mha.out_proj.weight.copy_(torch.eye(2))
+        mha.out_proj.bias.zero_()
+    torch.testing.assert_close(mha(BATCH), ca(BATCH), atol=1e-6, rtol=1e-6)
+
+
+def test_dropout_does_nothing_in_eval_mode_and_something_in_training():
+    x = torch.randn(2, 10, 8)
+    with_dropout = make_mha(8, 8, 16, 0.5, 2, seed=1)
+    without = make_mha(8, 8, 16, 0.0, 2, seed=1)
+    for use_sdpa in (True, False):
+        with_dropout.use_sdpa = without.use_sdpa = use_sdpa
+        torch.testing.assert_close(with_dropout(x), without(x))
+        with_dropout.train()
+        assert not torch.allclose(with_dropout(x), without(x))
+        with_dropout.eval()
+
+
+# --- causality ---------------------------------------------------------------------------
+
+
+def assert_future_invariant(module, x, i, **kwargs):
+    """Changing the inputs after position i must not move any output at or before i."""
+    changed = x.clone()
+    changed[:, i + 1 :] = torch.randn_like(changed[:, i + 1 :])
+    before, after = module(x, **kwargs), module(changed, **kwargs)
+    torch.testing.assert_close(before[:, : i + 1], after[:, : i + 1], atol=1e-6, rtol=0)
+
+
+class NotInPlaceCausalAttention(CausalAttention):
+    """The seed exercise's bug: `masked_fill` without the underscore masks nothing."""
+
+    def forward(self, x):
+        b, num_tokens, d_in = x.shape
+        keys, queries, values = self.W_key(x), self.W_query(x), self.W_value(x)
+        attn_scores = queries @ keys.transpose(1, 2)
+        attn_scores.masked_fill(self.mask.bool()[:num_tokens, :num_tokens], -torch.inf)
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        return self.dropout(attn_weights) @ values
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("i", [0, 3, 8])
+def test_outputs_never_depend_on_future_tokens(use_sdpa, i):
+    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa)
+    assert_future_invariant(mha, torch.randn(2, 10, 8), i)
+
+
+def test_future_invariance_check_catches_the_exercise_bug():
+    """The check above would fail on the seed exercise's non-in-place masked_fill."""
+    x = torch.randn(2, 10, 8)
+    assert_future_invariant(CausalAttention(8, 4, 16, 0.0), x, 3)  # the book's version passes
+    with pytest.raises(AssertionError):
+        assert_future_invariant(NotInPlaceCausalAttention(8, 4, 16, 0.0), x, 3)
+
+
+# --- padding -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_each_sequence_alone(use_sdpa, side):
+    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa)
+    lengths = [7, 3, 5]
+    seqs = [torch.randn(1, n, 8) for n in lengths]
+    width = max(lengths)
+    x = torch.zeros(len(lengths), width, 8)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        x[row, cols], mask[row, cols] = seq[0], 1
+    out = mha(x, mask)
+    assert not out.isnan().any()
+    for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        torch.testing.assert_close(out[row, cols], mha(seq)[0], atol=1e-5, rtol=1e-5)
+        if side == "left":  # padding queries see nothing: exactly zero
+            assert (out[row, : width - n] == 0).all()
+
+
+def test_fully_masked_rows_are_zero_weights_and_finite_gradients():
+    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=False)
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    out, weights = mha(x, mask, return_weights=True)
+    assert (weights[0, :, :2] == 0).all()
+    assert (out[0, :2] == 0).all()
+    for use_sdpa in (True, False):
+        mha.use_sdpa = use_sdpa
+        mha.train()
+        x.grad = None
+        mha(x, mask).sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert all(torch.isfinite(p.grad).all() for p in mha.parameters())
+
+
+# --- sliding window ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_sliding_window_weights_outside_window_are_exactly_zero(window):
+    mha = make_mha(8, 8, 16, 0.0, 2, window_size=window)
+    _, weights = mha(torch.randn(2, 9, 8), return_weights=True)
+    q = torch.arange(9)[:, None]
+    k = torch.arange(9)[None, :]
+    inside = (k <= q) & (k > q - window)
+    assert (weights[..., ~inside] == 0).all()
+    assert (weights[..., inside] > 0).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 9))
+    fast, explicit = both_paths(mha, torch.randn(2, 9, 8))
+    torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_window_at_least_the_length_equals_full_causal_attention():
+    x = torch.randn(2, 9, 8)
+    full = make_mha(8, 8, 16, 0.0, 2, seed=3)
+    for window in (9, 16):
+        windowed = make_mha(8, 8, 16, 0.0, 2, seed=3, window_size=window)
+        torch.testing.assert_close(windowed(x), full(x))
+
+
+# --- grouped-query attention -------------------------------------------------------------
+
+
+def test_gqa_with_as_many_kv_heads_as_heads_is_plain_mha():
+    x = torch.randn(2, 6, 8)
+    plain = make_mha(8, 8, 16, 0.0, 4, seed=5)
+    gqa = make_mha(8, 8, 16, 0.0, 4, seed=5, num_kv_heads=4)
+    torch.testing.assert_close(gqa(x), plain(x))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_gqa_equals_mha_with_each_kv_head_repeated_for_its_group(kv_heads):
+    heads, head_dim, d_in = 4, 3, 6
+    gqa = make_mha(d_in, heads * head_dim, 16, 0.0, heads, True, num_kv_heads=kv_heads)
+    mha = make_mha(d_in, heads * head_dim, 16, 0.0, heads, True)
+    group = heads // kv_heads
+    with torch.no_grad():
+        mha.load_state_dict(
+            {
+                **gqa.state_dict(),
+                **{
+                    f"{name}.{p}": getattr(getattr(gqa, name), p)
+                    .view(kv_heads, head_dim, -1)
+                    .repeat_interleave(group, dim=0)
+                    .reshape(heads * head_dim, -1)
+                    .squeeze(-1)
+                    for name in ("W_key", "W_value")
+                    for p in ("weight", "bias")
+                },
+            }
+        )
+    x = torch.randn(2, 7, d_in)
+    for out in both_paths(gqa, x):
+        torch.testing.assert_close(out, mha(x), atol=1e-5, rtol=1e-5)
+
+
+def test_multi_query_attention_runs_and_is_causal():
+    mqa = make_mha(8, 8, 16, 0.0, 4, num_kv_heads=1)
+    assert mqa.W_key.weight.shape == (2, 8)  # one head of head_dim 2
+    fast, explicit = both_paths(mqa, torch.randn(2, 9, 8))
+    torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
+    assert_future_invariant(mqa, torch.randn(2, 9, 8), 4)
+
+
+# --- KV cache ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_kv_heads": 1}, {"window_size": 3}])
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_cached_incremental_attention_equals_full_attention(kwargs, use_sdpa):
+    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa, **kwargs)
+    x = torch.randn(2, 10, 8)
+    cache = KVCache()
+    pieces = [mha(x[:, :4], kv_cache=cache)]  # prefill
+    pieces += [mha(x[:, t : t + 1], kv_cache=cache) for t in range(4, 10)]
+    assert len(cache) == 10
+    torch.testing.assert_close(torch.cat(pieces, dim=1), mha(x), atol=1e-5, rtol=1e-5)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_bad_input_gives_clear_errors():
+    with pytest.raises(ValueError, match="d_out must be divisible by num_heads"):
+        MultiHeadAttention(8, 10, 16, 0.0, num_heads=3)
+    with pytest.raises(ValueError, match="num_heads must be divisible by num_kv_heads"):
+        MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="window_size"):
+        MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, window_size=0)
+    mha = MultiHeadAttention(8, 8, 16, 0.0, num_heads=2)
+    with pytest.raises(ValueError, match="context_length is 16; crop"):
+        mha(torch.randn(1, 17, 8))
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        mha(torch.randn(2, 5, 8), torch.ones(2, 4))
+
+
+# --- mask invariants, over random shapes ---------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_tokens=st.integers(1, 12),
+    window=st.one_of(st.none(), st.integers(1, 14)),
+    heads=st.sampled_from([1, 2, 4]),
+    kv_heads_div=st.sampled_from([1, 2, 4]),
+)
+def test_mask_invariants_hold_for_random_lengths_paddings_windows(
+    data, num_tokens, window, heads, kv_heads_div
+):
+    kv_heads = max(1, heads // kv_heads_div)
+    b = 3
+    lefts = data.draw(st.lists(st.integers(0, num_tokens), min_size=b, max_size=b))
+    rights = [data.draw(st.integers(0, num_tokens - left)) for left in lefts]
+    mask = torch.ones(b, num_tokens, dtype=torch.bool)
+    for row, (left, right) in enumerate(zip(lefts, rights, strict=True)):
+        mask[row, :left] = False
+        mask[row, num_tokens - right :] = False
+
+    mha = make_mha(8, 8, 16, 0.0, heads, num_kv_heads=kv_heads, window_size=window)
+    x = torch.randn(b, num_tokens, 8)
+    out, weights = mha(x, mask, return_weights=True)  # (b, heads, num_tokens, num_tokens)
+    mha.use_sdpa = True
+    fast = mha(x, mask)
+
+    allowed = causal_mask(num_tokens) & padding_mask(mask)
+    if window is not None:
+        allowed = allowed & sliding_window_mask(num_tokens, num_tokens, window)
+    allowed = allowed.expand_as(weights)
+    assert not weights.isnan().any() and not out.isnan().any() and not fast.isnan().any()
+    assert (weights[~allowed] == 0).all()
+    row_sums = weights.sum(-1)
+    has_keys = allowed.any(-1)
+    torch.testing.assert_close(row_sums[has_keys], torch.ones_like(row_sums[has_keys]))
+    assert (row_sums[~has_keys] == 0).all()
+    torch.testing.assert_close(fast, out, atol=1e-5, rtol=1e-5)

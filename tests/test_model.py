@@ -1,0 +1,152 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptmini.model import (
+    GPT_CONFIG_124M,
+    PRESETS,
+    GPTConfig,
+    GPTModel,
+    flops_per_token,
+    num_parameters,
+)
+
+
+def test_book_config_dict_builds_a_config():
+    cfg = GPTConfig(**GPT_CONFIG_124M)
+    assert (cfg.emb_dim, cfg.n_layers, cfg.n_heads, cfg.context_length) == (768, 12, 12, 1024)
+
+
+def test_124m_parameter_count_matches_the_book():
+    """Book section 4.6: 163,009,536 with a separate output head, 124,412,160 tied."""
+    with torch.device("meta"):
+        untied = GPTModel(GPTConfig(**GPT_CONFIG_124M))
+        tied = GPTModel(GPTConfig(**GPT_CONFIG_124M, tie_weights=True))
+    assert num_parameters(untied) == 163_009_536
+    assert num_parameters(tied) == 124_412_160
+    assert tied.out_head.weight is tied.tok_emb.weight
+
+
+@pytest.mark.parametrize(
+    ("preset", "count"),
+    [  # Hugging Face's GPT-2 checkpoints have exactly these many parameters
+        ("gpt2-124m", 124_439_808),
+        ("gpt2-355m", 354_823_168),
+        ("gpt2-774m", 774_030_080),
+        ("gpt2-1558m", 1_557_611_200),
+    ],
+)
+def test_gpt2_presets_have_gpt2_sizes(preset, count):
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig.from_preset(preset))
+    assert num_parameters(model) == count
+
+
+def test_every_preset_is_a_valid_config():
+    for name in PRESETS:
+        GPTConfig.from_preset(name)
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+        GPTConfig.from_preset("gpt5")
+
+
+def test_forward_shapes(tiny_config):
+    model = GPTModel(tiny_config)
+    logits = model(torch.randint(0, 64, (3, 11)))
+    assert logits.shape == (3, 11, 64)
+
+
+def test_untrained_loss_is_near_log_vocab():
+    cfg = GPTConfig.from_preset("cpu-tiny")
+    model = GPTModel(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (4, 33))
+    logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
+
+
+@pytest.mark.parametrize("extra", [{}, {"n_kv_heads": 1}, {"window_size": 4}])
+@pytest.mark.parametrize("i", [0, 5, 10])
+def test_model_logits_never_depend_on_future_tokens(tiny_config, extra, i):
+    cfg = GPTConfig(**{**tiny_config.to_dict(), **extra})
+    model = GPTModel(cfg).eval()
+    idx = torch.randint(0, 64, (2, 16))
+    changed = idx.clone()
+    changed[:, i + 1 :] = torch.randint(0, 64, changed[:, i + 1 :].shape)
+    torch.testing.assert_close(model(idx)[:, : i + 1], model(changed)[:, : i + 1])
+
+
+def test_left_padded_batch_gives_each_prompt_its_own_logits(tiny_config):
+    model = GPTModel(tiny_config).eval()
+    prompts = [torch.randint(0, 64, (n,)) for n in (9, 4, 6)]
+    width = 9
+    idx = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        idx[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
+    logits = model(idx, mask)
+    assert not logits.isnan().any()
+    for row, p in enumerate(prompts):
+        alone = model(p[None])[0]
+        torch.testing.assert_close(logits[row, width - len(p) :], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_prefill_and_decode_equal_full_forward(tiny_config):
+    model = GPTModel(tiny_config).eval()
+    idx = torch.randint(0, 64, (2, 12))
+    caches = model.new_kv_caches()
+    pieces = [model(idx[:, :5], kv_caches=caches)]
+    pieces += [model(idx[:, t : t + 1], kv_caches=caches) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(pieces, 1), model(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_return_weights_gives_each_layers_causal_weights(tiny_config):
+    model = GPTModel(tiny_config).eval()
+    idx = torch.randint(0, 64, (1, 7))
+    logits, weights = model(idx, return_weights=True)
+    torch.testing.assert_close(logits, model(idx), atol=1e-5, rtol=1e-5)
+    assert len(weights) == tiny_config.n_layers
+    for w in weights:
+        assert w.shape == (1, tiny_config.n_heads, 7, 7)
+        assert (w.triu(diagonal=1) == 0).all()
+
+
+def test_too_long_input_says_how_to_crop(tiny_config):
+    model = GPTModel(tiny_config)
+    with pytest.raises(ValueError, match="context_length is 32; crop to the last 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("n_heads", 5, "GPTConfig.n_heads=5 is invalid: it must divide emb_dim=16"),
+        ("emb_dim", 0, "GPTConfig.emb_dim=0 is invalid: use a positive integer"),
+        ("drop_rate", 1.5, "GPTConfig.drop_rate=1.5 is invalid"),
+        ("n_kv_heads", 3, "GPTConfig.n_kv_heads=3 is invalid: use a divisor of n_heads=2"),
+        ("window_size", 0, "GPTConfig.window_size=0 is invalid"),
+    ],
+)
+def test_invalid_config_names_the_field_and_fix(tiny_config, field, value, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("=", "=")):
+        GPTConfig(**{**tiny_config.to_dict(), field: value})
+
+
+def test_flops_per_token_counts_every_matmul_weight_six_times():
+    cfg = GPTConfig(**GPT_CONFIG_124M, n_kv_heads=4)
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    matmul_weights = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    attention = 12 * cfg.n_layers * cfg.emb_dim * 256
+    assert flops_per_token(cfg, seq_len=256) == 6 * matmul_weights + attention
+
+
+def test_gpt2_initialization_scales_residual_projections(tiny_config):
+    model = GPTModel(GPTConfig(**{**tiny_config.to_dict(), "emb_dim": 256, "n_heads": 4}))
+    proj_std = model.trf_blocks[0].att.out_proj.weight.std().item()
+    q_std = model.trf_blocks[0].att.W_query.weight.std().item()
+    assert abs(q_std - 0.02) < 0.002
+    assert abs(proj_std - 0.02 / math.sqrt(2 * 2)) < 0.002
