@@ -1,0 +1,272 @@
+"""The LightningModule that trains `GPTModel`: one shared step, AdamW, warmup + cosine."""
+
+import math
+import random
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gptmini.model import GPTConfig, GPTModel, flops_per_token
+from gptmini.tokenizer import get_tokenizer
+
+# Dense bf16 peak FLOP/s of common accelerators (vendor datasheets, no sparsity).
+PEAK_FLOPS_BY_DEVICE = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "T4": 65e12,
+}
+
+
+class GPTLitModule(L.LightningModule):
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        context_length: int = 128,
+        emb_dim: int = 256,
+        n_heads: int = 4,
+        n_layers: int = 4,
+        drop_rate: float = 0.1,
+        qkv_bias: bool = False,
+        n_kv_heads: int | None = None,
+        window_size: int | None = None,
+        tie_weights: bool = True,
+        tokenizer: str = "gpt2",
+        learning_rate: float = 1e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        weight_decay: float = 0.1,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        compile: bool = False,
+        peak_flops: float | None = None,
+    ):
+        """A GPT and how it is optimized.
+
+        Args:
+            vocab_size: Number of token ids; must match the tokenizer (50257 for gpt2).
+            context_length: Most tokens per window; the data's max_length follows it.
+            emb_dim: Width of the residual stream.
+            n_heads: Attention heads per layer; must divide emb_dim.
+            n_layers: Transformer blocks.
+            drop_rate: Dropout on embeddings, attention weights and residual branches.
+            qkv_bias: Bias in the query, key and value projections.
+            n_kv_heads: Key/value heads for grouped-query attention (None: one per head).
+            window_size: Sliding-window attention span (None: full causal attention).
+            tie_weights: Share the token embedding with the output head.
+            tokenizer: tiktoken encoding name; "gpt2" works offline.
+            learning_rate: Peak learning rate, reached after warmup.
+            min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
+            warmup_steps: Optimizer steps of linear warmup from 0.
+            weight_decay: AdamW weight decay, on matrices and embeddings only.
+            beta1: AdamW beta1.
+            beta2: AdamW beta2.
+            compile: Compile the model with torch.compile.
+            peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
+                measures the CPU's fp32 matmul rate once at start.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        hp = self.hparams
+        _check_range("learning_rate", learning_rate, 1e-12, math.inf)
+        _check_range("warmup_steps", warmup_steps, 0, math.inf)
+        _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+        _check_range("weight_decay", weight_decay, 0.0, math.inf)
+        self.cfg = GPTConfig(**{name: hp[name] for name in GPTConfig.__dataclass_fields__})
+        self.model = GPTModel(self.cfg)
+        self._flops_per_token = flops_per_token(self.cfg)
+        self._last_step_time: float | None = None
+        self._peak_flops = peak_flops
+        self._rng_to_restore: dict | None = None
+
+    # --- setup ------------------------------------------------------------------------
+
+    def configure_model(self):
+        if self.hparams.compile:
+            self.model.compile()  # in place: parameter names (checkpoints) do not change
+
+    def setup(self, stage: str):
+        n_vocab = get_tokenizer(self.hparams.tokenizer).n_vocab
+        if n_vocab > self.cfg.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={self.cfg.vocab_size} is smaller than tokenizer "
+                f"{self.hparams.tokenizer!r}'s {n_vocab} ids; set --model.vocab_size {n_vocab}"
+            )
+        if self._peak_flops is None:
+            self._peak_flops = peak_flops_of(self.device)
+
+    # --- steps --------------------------------------------------------------------------
+
+    def forward(self, in_idx: Tensor) -> Tensor:
+        return self.model(in_idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, targets = batch  # (b, num_tokens) each
+        logits = self.model(inputs)  # (b, num_tokens, vocab_size)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"loss is {loss.item()} at step {self.global_step}; the run stops here and the "
+                "last checkpoint (saved before this step) is intact. Lower "
+                "--model.learning_rate, raise --model.warmup_steps or set "
+                "--trainer.gradient_clip_val, then resume with --ckpt_path last"
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int):
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self):
+        val_loss = self.trainer.callback_metrics.get("val/loss")
+        if val_loss is not None:
+            self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if not torch.isfinite(norm):
+            raise FloatingPointError(
+                f"gradient norm is {norm.item()} at step {self.global_step}; the weights were "
+                "not updated and the last checkpoint is intact. Lower --model.learning_rate "
+                "or set --trainer.gradient_clip_val, then resume with --ckpt_path last"
+            )
+        self.log("train/grad_norm", norm)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int):
+        # Throughput over the whole step (data wait, forward, backward, optimizer).
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            tokens = batch[0].numel() * self.trainer.world_size
+            tokens_per_sec = tokens / (now - self._last_step_time)
+            self.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
+            peak = self._peak_flops
+            if peak:
+                mfu = self._flops_per_token * tokens_per_sec / (peak * self.trainer.world_size)
+                self.log("train/mfu", mfu)
+        self._last_step_time = now
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], prog_bar=True)
+
+    def on_validation_start(self):
+        self._last_step_time = None  # validation time is not training throughput
+
+    # --- exact resume: Lightning restores weights, optimizer, schedule and loops; the
+    # random number generators (dropout) are ours to carry.
+
+    def on_save_checkpoint(self, checkpoint: dict):
+        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, checkpoint: dict):
+        saved = checkpoint.get("hyper_parameters", {})
+        shape_fields = [f for f in GPTConfig.__dataclass_fields__ if f != "drop_rate"]
+        differ = [f for f in shape_fields if f in saved and saved[f] != getattr(self.cfg, f)]
+        if differ:
+            diffs = ", ".join(
+                f"{f}={saved[f]!r} there, {getattr(self.cfg, f)!r} here" for f in differ
+            )
+            raise ValueError(
+                f"the checkpoint holds a different model ({diffs}); resume with the model "
+                "settings it was trained with, or start a new --run_name"
+            )
+        self._rng_to_restore = checkpoint.get("rng_states")
+
+    def on_train_start(self):
+        # Restored here, after the sanity-check validation, so that the first resumed step
+        # draws the same dropout masks the uninterrupted run drew.
+        states, self._rng_to_restore = self._rng_to_restore, None
+        if states:
+            torch.set_rng_state(states["torch"])
+            random.setstate(_as_tuples(states["python"]))
+            if "cuda" in states and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(states["cuda"])
+
+    # --- optimization -------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        # Decay matrices and embeddings; leave biases and LayerNorm gains alone.
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            groups,
+            lr=hp.learning_rate,
+            betas=(hp.beta1, hp.beta2),
+            fused=self.device.type == "cuda",
+        )
+        total = self.trainer.max_steps
+        if total is None or total < 0:
+            total = int(self.trainer.estimated_stepping_batches)
+        if hp.warmup_steps > total:
+            raise ValueError(
+                f"model.warmup_steps={hp.warmup_steps} is longer than the run "
+                f"({total} optimizer steps); lower warmup_steps or raise trainer.max_steps"
+            )
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
+        }
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total_steps`, then flat."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_flops_of(device: torch.device) -> float | None:
+    """Peak FLOP/s of one device: a table for known GPUs, a measurement on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in PEAK_FLOPS_BY_DEVICE.items():
+            if key in name:
+                return flops
+        return None  # unknown GPU: no MFU rather than a wrong one
+    if device.type == "cpu":
+        return measure_matmul_flops()
+    return None
+
+
+def measure_matmul_flops(size: int = 1024, seconds: float = 0.5) -> float:
+    """The CPU's fp32 matmul rate in FLOP/s, measured over about `seconds`."""
+    gen = torch.Generator().manual_seed(0)  # leaves the global generator (dropout) alone
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    a @ b  # warm up threads and caches
+    runs, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        runs += 1
+    return 2 * size**3 * runs / elapsed
+
+
+def _as_tuples(value):
+    """random.setstate wants the tuples that a checkpoint round trip may turn into lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def _check_range(name: str, value: float, low: float, high: float):
+    if not low <= value <= high:
+        raise ValueError(f"model.{name}={value} must be in [{low}, {high}]")

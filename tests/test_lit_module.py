@@ -1,0 +1,68 @@
+import math
+
+import pytest
+import torch
+
+from gptmini.lit_module import GPTLitModule, lr_factor, measure_matmul_flops
+
+TINY = dict(vocab_size=50257, context_length=16, emb_dim=16, n_heads=2, n_layers=2,
+            drop_rate=0.0, peak_flops=1e9)
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    warmup, total, floor = 10, 110, 0.1
+    factors = [lr_factor(s, warmup, total, floor) for s in range(130)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(factors[:10], factors[1:10], strict=False))
+    assert all(a >= b for a, b in zip(factors[10:110], factors[11:111], strict=False))
+    assert factors[60] == pytest.approx(floor + (1 - floor) * 0.5)  # halfway: cos(pi/2)
+    assert factors[110] == pytest.approx(floor) and factors[129] == pytest.approx(floor)
+
+
+def test_weight_decay_only_on_parameters_with_two_or_more_dimensions():
+    module = GPTLitModule(**TINY)
+    module.trainer = type("T", (), {"max_steps": 100, "estimated_stepping_batches": 100})()
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    decayed, plain = groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"])
+    assert all(p.dim() < 2 for p in plain["params"])
+    n_params = sum(p.numel() for g in groups for p in g["params"])
+    assert n_params == sum(p.numel() for p in module.parameters())  # tied head counted once
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"learning_rate": -1e-3}, "model.learning_rate=-0.001 must be in"),
+        ({"warmup_steps": -5}, "model.warmup_steps=-5 must be in"),
+        ({"min_lr_ratio": 2.0}, "model.min_lr_ratio=2.0 must be in"),
+        ({"n_heads": 3}, "GPTConfig.n_heads=3 is invalid: it must divide emb_dim=16"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        GPTLitModule(**{**TINY, **override})
+
+
+def test_warmup_longer_than_the_run_is_refused():
+    module = GPTLitModule(**{**TINY, "warmup_steps": 200})
+    module.trainer = type("T", (), {"max_steps": 100, "estimated_stepping_batches": 100})()
+    with pytest.raises(ValueError, match="warmup_steps=200 is longer than the run"):
+        module.configure_optimizers()
+
+
+def test_nan_loss_stops_with_the_step_named():
+    module = GPTLitModule(**TINY)
+    with torch.no_grad():
+        module.model.tok_emb.weight[3] = math.nan
+    batch = (torch.full((1, 4), 3), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(FloatingPointError, match="loss is nan at step 0"):
+        module.training_step(batch, 0)
+
+
+def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():
+    state = torch.get_rng_state()
+    flops = measure_matmul_flops(size=256, seconds=0.05)
+    assert torch.equal(state, torch.get_rng_state())
+    assert 1e8 < flops < 1e14
