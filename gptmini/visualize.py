@@ -1,0 +1,571 @@
+"""Pictures of what a model does: attention heatmaps and training curves.
+
+The attention weights come from `GPTModel.forward(..., return_weights=True)`, which runs the
+attention module's explicit path: they are the weights the output was computed from, with
+the causal zeros above the diagonal, the zeros outside a sliding window and the zero rows
+and columns of left padding all in place.
+
+    attention_weights   prompt -> (n_heads, num_tokens, num_tokens) weights of one layer
+    attention_figure    those weights as a heatmap of one head or a grid of all heads
+    plot_attention      the same, written to a PNG
+    load_metrics        a run's CSV metrics, merged over the logger's version folders
+    plot_curves         train/val loss and learning rate against steps, written to a PNG
+    AttentionMapCallback  a heatmap of a fixed prompt every N training steps
+    main                the command line behind `visualize.py`
+
+matplotlib is optional (`pip install 'gptmini[plot]'`). Figures are built with the
+object-oriented API and the Agg canvas, never pyplot, so plotting neither opens windows nor
+changes the backend of a notebook that imports this module.
+"""
+
+import argparse
+import csv
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from tiktoken import Encoding
+
+__all__ = [
+    "AttentionMapCallback",
+    "attention_figure",
+    "attention_weights",
+    "build_parser",
+    "load_metrics",
+    "main",
+    "plot_attention",
+    "plot_curves",
+    "token_labels",
+]
+
+PLOT_INSTALL_HINT = "pip install 'gptmini[plot]'"
+PAD_LABEL = "<pad>"
+# Visible stand-ins for whitespace, so " the" and "the" do not look alike on an axis.
+_VISIBLE_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL_HINT}"
+        ) from None
+    return matplotlib
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+def _check_index(name: str, index: int, count: int, what: str) -> int:
+    """`index` as a non-negative index into `count` items (negative counts from the end)."""
+    if not -count <= index < count:
+        raise ValueError(
+            f"{name} {index} is out of range: the model has {count} {what} "
+            f"(valid: 0 to {count - 1}, or -{count} to -1 from the end)"
+        )
+    return index % count
+
+
+def token_labels(tokenizer: "Encoding", ids: Sequence[int]) -> list[str]:
+    """Each token decoded on its own, with whitespace made visible (" the" -> "␣the").
+
+    A token holding part of a multi-byte character shows as the replacement character.
+    """
+    labels = []
+    for token in ids:
+        text = tokenizer.decode_single_token_bytes(token).decode("utf-8", errors="replace")
+        labels.append(text.translate(_VISIBLE_WHITESPACE))
+    return labels
+
+
+def attention_weights(
+    model: nn.Module,
+    tokenizer: "Encoding",
+    prompt: str,
+    layer: int = -1,
+    *,
+    left_pad: int = 0,
+) -> tuple[Tensor, list[str]]:
+    """The attention weights one layer of `model` gives the tokens of `prompt`.
+
+    The model runs once, in eval mode (no dropout) and without gradients; its train/eval
+    mode is restored afterwards and no random numbers are drawn.
+
+    Args:
+        model: a `GPTModel` (anything with `.cfg` and `forward(..., return_weights=True)`).
+        tokenizer: the model's tiktoken encoding.
+        prompt: text to look at; special tokens such as <|endoftext|> are allowed, and an
+            empty prompt becomes <|endoftext|> alone.
+        layer: transformer block, counted from 0; negative counts from the last.
+        left_pad: put this many padding positions before the prompt (masked out through
+            `attention_mask`), to see what padding does to the weights.
+
+    Returns:
+        The weights (n_heads, num_tokens, num_tokens) as float32 on the CPU, query i in
+        row i and key j in column j, and the `num_tokens` axis labels.
+
+    Raises:
+        ValueError: `layer` is out of range, or the padded prompt is longer than the model's
+            context_length.
+    """
+    cfg = model.cfg
+    layer = _check_index("layer", layer, cfg.n_layers, "layers")
+    if left_pad < 0:
+        raise ValueError(f"left_pad must be 0 or more, got {left_pad}")
+    ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
+    num_tokens = left_pad + len(ids)
+    if num_tokens > cfg.context_length:
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens"
+            + (f" plus {left_pad} of padding" if left_pad else "")
+            + f", but the model's context_length is {cfg.context_length}; shorten it"
+        )
+    device = next(model.parameters()).device
+    idx = torch.tensor([[tokenizer.eot_token] * left_pad + ids], device=device)
+    mask = None
+    if left_pad:
+        mask = torch.tensor([[0] * left_pad + [1] * len(ids)], device=device)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, weights = model(idx, mask, return_weights=True)
+    finally:
+        model.train(was_training)
+    labels = [PAD_LABEL] * left_pad + token_labels(tokenizer, ids)
+    return weights[layer][0].float().cpu(), labels  # (n_heads, num_tokens, num_tokens)
+
+
+def attention_figure(
+    weights: Tensor,
+    labels: Sequence[str],
+    *,
+    layer: int,
+    head: int | None = None,
+    title: str | None = None,
+    figsize: tuple[float, float] | None = None,
+    dpi: int = 100,
+) -> "Figure":
+    """A heatmap of one head's weights, or a grid of all heads when `head` is None.
+
+    Queries run down, keys across, both labelled with the tokens. The color scale is fixed
+    to [0, 1] in every panel, so heads (and training steps) compare at a glance.
+
+    Args:
+        weights: (n_heads, num_tokens, num_tokens) from `attention_weights`.
+        labels: num_tokens axis labels.
+        layer: the layer the weights come from, for the title.
+        head: the head to draw; negative counts from the last; None draws them all.
+        title: overrides the default title.
+        figsize: figure size in inches; the default grows with the number of tokens.
+        dpi: dots per inch; the PNG is figsize * dpi pixels.
+
+    Raises:
+        ValueError: `head` is out of range or the shapes do not match.
+        ImportError: matplotlib is not installed.
+    """
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    if weights.dim() != 3 or weights.shape[1] != weights.shape[2]:
+        raise ValueError(
+            f"weights must be (n_heads, num_tokens, num_tokens), got {tuple(weights.shape)}"
+        )
+    n_heads, num_tokens, _ = weights.shape
+    if len(labels) != num_tokens:
+        raise ValueError(f"got {len(labels)} labels for {num_tokens} tokens")
+    heads = list(range(n_heads))
+    if head is not None:
+        heads = [_check_index("head", head, n_heads, "heads per layer")]
+    ncols = math.ceil(math.sqrt(len(heads)))
+    nrows = math.ceil(len(heads) / ncols)
+    if figsize is None:
+        # About a quarter inch per token keeps labels legible; grid panels a little less.
+        if len(heads) == 1:
+            side = min(max(1.2 + 0.25 * num_tokens, 5.0), 12.0)
+        else:
+            side = min(max(1.2 + 0.2 * num_tokens, 3.0), 8.0)
+        # Room beside the panels for token labels and colorbar, below for labels and titles.
+        figsize = (ncols * side + 2.0, nrows * (side + 0.3) + 1.6)
+    fontsize = max(4.0, min(9.0, 160.0 / num_tokens / max(1, ncols - 1) ** 0.5))
+
+    # Past about 64 tokens the labels would overprint each other: label every k-th token.
+    every = math.ceil(num_tokens / 64)
+    ticks = range(0, num_tokens, every)
+    tick_labels = [labels[t] for t in ticks]
+
+    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    data = weights.detach().float().cpu().numpy()
+    image = None
+    for i, ax in enumerate(axes.flat):
+        if i >= len(heads):
+            ax.set_axis_off()
+            continue
+        col = i % ncols
+        image = ax.imshow(data[heads[i]], cmap="viridis", vmin=0.0, vmax=1.0,
+                          interpolation="nearest")
+        if len(heads) > 1:  # a single head is named in the figure's title
+            ax.set_title(f"head {heads[i]}", fontsize=fontsize + 2)
+        bottom = i + ncols >= len(heads)  # nothing drawn below this panel
+        ax.set_xticks(ticks, tick_labels if bottom else [], rotation=90, fontsize=fontsize)
+        ax.set_yticks(ticks, tick_labels if col == 0 else [], fontsize=fontsize)
+        ax.tick_params(length=0)
+        if col == 0:
+            ax.set_ylabel("query", fontsize=fontsize + 1)
+        if bottom:
+            ax.set_xlabel("key", fontsize=fontsize + 1)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
+    if title is None:
+        which = f"head {heads[0]}" if head is not None else f"all {n_heads} heads"
+        title = f"Attention weights, layer {layer}, {which}"
+    fig.suptitle(title)
+    return fig
+
+
+def plot_attention(
+    weights: Tensor,
+    labels: Sequence[str],
+    out: str | Path,
+    *,
+    layer: int,
+    head: int | None = None,
+    title: str | None = None,
+    figsize: tuple[float, float] | None = None,
+    dpi: int = 100,
+) -> Path:
+    """Write `attention_figure(...)` to the PNG `out` (parents created); returns its path."""
+    fig = attention_figure(
+        weights, labels, layer=layer, head=head, title=title, figsize=figsize, dpi=dpi
+    )
+    return _save(fig, out)
+
+
+def _save(fig: "Figure", out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # No bbox_inches="tight": the image stays exactly figsize * dpi pixels.
+    fig.savefig(out, format="png")
+    return out
+
+
+# --- training curves -------------------------------------------------------------------
+
+
+def _metric_files(run_dir: Path) -> list[Path]:
+    if run_dir.is_file():
+        return [run_dir]
+    for folder in (run_dir / "logs", run_dir):
+        versions = [p for p in folder.glob("version_*/metrics.csv") if p.is_file()]
+        if versions:
+            return sorted(versions, key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0))
+    if (run_dir / "metrics.csv").is_file():
+        return [run_dir / "metrics.csv"]
+    raise FileNotFoundError(
+        f"no metrics under {run_dir}: expected {run_dir}/logs/version_N/metrics.csv, which "
+        "train.py's CSV logger writes"
+    )
+
+
+def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[float]]], list[int]]:
+    """Every metric a run logged, as (steps, values) in step order.
+
+    Each invocation of train.py (a resume too) writes its own `logs/version_N/metrics.csv`.
+    A later version replaces whatever earlier ones logged from its first step on: those
+    steps were run again after the resume, and the first attempt is not the run's history.
+
+    Args:
+        run_dir: the run directory (holding `logs/`), its `logs/` folder, or one
+            `metrics.csv`.
+
+    Returns:
+        The metrics by column name (`train/loss`, `val/loss`, `train/lr`, ...), and the
+        steps at which a version after the first began (where the run was resumed).
+    """
+    merged: dict[str, dict[int, float]] = {}
+    resumes = []
+    for i, path in enumerate(_metric_files(Path(run_dir))):
+        rows = []
+        with open(path, newline="") as file:
+            for row in csv.DictReader(file):
+                if (row.get("step") or "").strip():
+                    rows.append(row)
+        if not rows:
+            continue
+        first = min(int(float(row["step"])) for row in rows)
+        if i > 0 and merged:
+            resumes.append(first)
+        for values in merged.values():
+            for step in [s for s in values if s >= first]:
+                del values[step]
+        for row in rows:
+            step = int(float(row["step"]))
+            for name, cell in row.items():
+                if name in ("step", "epoch") or name is None or not (cell or "").strip():
+                    continue
+                merged.setdefault(name, {})[step] = float(cell)
+    metrics = {
+        name: (sorted(v), [v[s] for s in sorted(v)]) for name, v in merged.items() if v
+    }
+    return metrics, resumes
+
+
+def plot_curves(
+    run_dir: str | Path,
+    out: str | Path = "curves.png",
+    *,
+    figsize: tuple[float, float] = (8.0, 6.0),
+    dpi: int = 100,
+) -> Path:
+    """Train and validation loss (top) and learning rate (bottom) against optimizer steps.
+
+    Args:
+        run_dir: see `load_metrics`.
+        out: the PNG to write (parents created).
+        figsize: figure size in inches; the PNG is figsize * dpi pixels.
+        dpi: dots per inch.
+
+    Returns:
+        The path written.
+
+    Raises:
+        FileNotFoundError: no metrics.csv under `run_dir`.
+        ValueError: the metrics hold no loss to plot.
+        ImportError: matplotlib is not installed.
+    """
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    metrics, resumes = load_metrics(run_dir)
+    if "train/loss" not in metrics and "val/loss" not in metrics:
+        raise ValueError(
+            f"the metrics of {run_dir} hold no train/loss or val/loss yet (columns: "
+            f"{', '.join(sorted(metrics)) or 'none'}); train for at least log_every_n_steps"
+        )
+    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
+    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    if "train/loss" in metrics:
+        loss_ax.plot(*metrics["train/loss"], lw=1.0, alpha=0.8, label="train loss")
+    if "val/loss" in metrics:
+        steps, values = metrics["val/loss"]
+        loss_ax.plot(steps, values, "o-", ms=3.5, lw=1.5, label="val loss")
+        best = min(range(len(values)), key=values.__getitem__)
+        loss_ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
+    loss_ax.set_ylabel("cross-entropy (nats/token)")
+    loss_ax.legend()
+    if "train/lr" in metrics:
+        lr_ax.plot(*metrics["train/lr"], color="tab:green", lw=1.2)
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    else:
+        lr_ax.text(0.5, 0.5, "no train/lr logged", ha="center", va="center",
+                   transform=lr_ax.transAxes)
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("step")
+    for ax in (loss_ax, lr_ax):
+        ax.grid(alpha=0.3)
+        for step in resumes:
+            ax.axvline(step, color="gray", ls=":", lw=1)
+    if resumes:
+        loss_ax.plot([], [], color="gray", ls=":", lw=1, label="resumed")
+        loss_ax.legend()
+    name = Path(run_dir).resolve()
+    fig.suptitle(f"Training curves: {name.parent.name if name.is_file() else name.name}")
+    return _save(fig, out)
+
+
+# --- during training -------------------------------------------------------------------
+
+
+class AttentionMapCallback(Callback):
+    """Every `every_n_steps` optimizer steps, draw all heads of one layer on a fixed prompt.
+
+    The PNG goes to `<log_dir>/attention/step_N.png` (the CSV logger's version folder, or
+    the trainer's default_root_dir), and to wandb as the image "attention" when a
+    `WandbLogger` is attached. Runs on global rank zero only, in eval mode without
+    gradients and under a forked random generator, so the training run is the same with
+    and without it. When the maps cannot be drawn (no matplotlib, a prompt longer than the
+    model's context, a layer out of range) it warns once and training goes on without them.
+
+    Args:
+        every_n_steps: optimizer steps between maps; 0 or less turns the callback off.
+        prompt: the text whose attention is drawn.
+        layer: the transformer block, negative counting from the last.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 500,
+        prompt: str = "ROMEO: But soft, what light",
+        layer: int = -1,
+    ):
+        self.every_n_steps = every_n_steps
+        self.prompt = prompt
+        self.layer = layer
+        self._disabled = every_n_steps <= 0
+        self._last_step: int | None = None
+
+    def _disable(self, reason: str):
+        warnings.warn(f"AttentionMapCallback: {reason}; no attention maps", stacklevel=2)
+        self._disabled = True
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
+        if self._disabled or not trainer.is_global_zero:
+            return
+        try:
+            _require_matplotlib()
+        except ImportError as err:
+            return self._disable(str(err))
+        from gptmini.tokenizer import get_tokenizer
+
+        cfg = pl_module.model.cfg
+        num_tokens = len(get_tokenizer(pl_module.hparams.tokenizer).encode(
+            self.prompt, allowed_special="all") or [0])
+        if num_tokens > cfg.context_length:
+            return self._disable(
+                f"the prompt is {num_tokens} tokens, longer than context_length "
+                f"{cfg.context_length}"
+            )
+        if not -cfg.n_layers <= self.layer < cfg.n_layers:
+            return self._disable(f"layer {self.layer} is out of range for {cfg.n_layers} layers")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
+        step = trainer.global_step
+        if (
+            self._disabled
+            or step == 0  # with gradient accumulation, micro-batches before the first step
+            or step % self.every_n_steps
+            or step == self._last_step  # gradient accumulation: one map per optimizer step
+            or not trainer.is_global_zero
+        ):
+            return
+        self._last_step = step
+        path = self.draw(trainer, pl_module, step)
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(key="attention", images=[str(path)], step=step)
+
+    def draw(self, trainer: Trainer, pl_module: LightningModule, step: int) -> Path:
+        """Compute and write the map of `step`; returns the PNG's path."""
+        from gptmini.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
+        model = pl_module.model
+        layer = self.layer % model.cfg.n_layers
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            weights, labels = attention_weights(model, tokenizer, self.prompt, layer)
+        out = Path(trainer.log_dir or trainer.default_root_dir) / "attention" / f"step_{step}.png"
+        return plot_attention(
+            weights, labels, out, layer=layer, title=f"Step {step}: attention of layer {layer}"
+        )
+
+
+# --- command line ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `visualize.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="visualize.py", description="Draw attention maps and training curves as PNGs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    att = commands.add_parser(
+        "attention", help="heatmap of one layer's attention weights on a prompt",
+        description="Heatmap of the attention weights a model gives a prompt's tokens.",
+    )
+    source = att.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
+    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    att.add_argument("--prompt", default="", help="text to look at; empty = <|endoftext|>")
+    att.add_argument("--layer", type=int, default=-1, help="layer from 0; -1 = the last")
+    heads = att.add_mutually_exclusive_group()
+    heads.add_argument("--head", type=int, default=0, help="head from 0 (default 0)")
+    heads.add_argument("--all_heads", action="store_true", help="a grid of every head")
+    att.add_argument("--left_pad", type=int, default=0,
+                     help="padding positions before the prompt, to see the padding mask")
+    att.add_argument("--out", type=Path, default=Path("attention.png"))
+    att.add_argument("--dpi", type=int, default=100)
+    att.add_argument("--device", default="cpu", help="cpu, cuda, mps, ...")
+
+    curves = commands.add_parser(
+        "curves", help="loss and learning rate of a training run",
+        description="Train/val loss and learning rate against steps, from the CSV logs.",
+    )
+    curves.add_argument("run_dir", type=Path, help="the run's folder, e.g. runs/shakespeare-cpu")
+    curves.add_argument("--out", type=Path, default=Path("curves.png"))
+    curves.add_argument("--dpi", type=int, default=100)
+    return parser
+
+
+def _load_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {args.device!r} is not a device name ({err})") from None
+    if args.checkpoint is not None:
+        from gptmini.checkpoint import load_checkpoint
+
+        model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location="cpu")
+    else:
+        from gptmini.convert import load_hf
+
+        model, tokenizer_name = load_hf(args.hf), "gpt2"
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError) as err:  # a build without CUDA asserts
+        raise ValueError(f"--device {args.device} is not available ({err}); use cpu") from None
+    return model, tokenizer_name
+
+
+def _attention_command(args: argparse.Namespace) -> str:
+    from gptmini.tokenizer import get_tokenizer
+
+    _require_matplotlib()  # before loading a model that cannot be drawn
+    model, tokenizer_name = _load_model(args)
+    head = None if args.all_heads else args.head
+    if head is not None:
+        _check_index("head", head, model.cfg.n_heads, "heads per layer")
+    layer = _check_index("layer", args.layer, model.cfg.n_layers, "layers")
+    weights, labels = attention_weights(
+        model, get_tokenizer(tokenizer_name), args.prompt, layer, left_pad=args.left_pad
+    )
+    out = plot_attention(weights, labels, args.out, layer=layer, head=head, dpi=args.dpi)
+    which = "all heads" if head is None else f"head {head % model.cfg.n_heads}"
+    return f"wrote {out} (layer {layer}, {which}, {len(labels)} tokens)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `visualize.py` with `argv` (default `sys.argv[1:]`); returns the exit code.
+
+    Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
+    to see the traceback anyway.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "attention":
+            message = _attention_command(args)
+        else:
+            message = f"wrote {plot_curves(args.run_dir, args.out, dpi=args.dpi)}"
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as err:
+        if os.environ.get("GPTMINI_TRACEBACK"):
+            raise
+        print(f"visualize.py {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    print(message)
+    return 0
