@@ -13,8 +13,6 @@ functions combined with `&`; the attention module negates the result once, where
 fills scores with -inf.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -62,27 +60,71 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
-@dataclass
 class KVCache:
     """Keys and values of the tokens seen so far, for one attention layer.
 
-    Tensors are (b, num_kv_heads, num_cached, head_dim); `update` appends the new
-    tokens' keys and values and returns all of them.
+    `keys` and `values` are (b, num_kv_heads, num_cached, head_dim); `update` appends the
+    new tokens' keys and values and returns all of them.
+
+    Without autograd the tensors live in buffers that grow by doubling, so appending one
+    token writes one token: concatenating instead would copy the whole cache (and fault in
+    fresh memory) at every step, which at batch 8 costs as much as the matmuls. With
+    autograd (a new key that requires grad) it concatenates, so gradients flow as before.
     """
 
-    keys: Tensor | None = None
-    values: Tensor | None = None
+    def __init__(self, keys: Tensor | None = None, values: Tensor | None = None):
+        self._keys, self._values, self._len = None, None, 0
+        if keys is not None:
+            self.keys, self.values = keys, values
+
+    # Assigning keys/values replaces the cache's contents (the former dataclass fields).
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self._len]
+
+    @keys.setter
+    def keys(self, keys: Tensor | None):
+        self._keys = keys
+        self._len = 0 if keys is None else keys.shape[2]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._values is None else self._values[:, :, : self._len]
+
+    @values.setter
+    def values(self, values: Tensor | None):
+        self._values = values
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"KVCache(num_cached={self._len})"
 
     def update(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        if self.keys is None:
+        if self._keys is None:
             self.keys, self.values = keys, values
-        else:
+            return keys, values
+        if torch.is_grad_enabled() and (keys.requires_grad or self._keys.requires_grad):
             self.keys = torch.cat([self.keys, keys], dim=2)
             self.values = torch.cat([self.values, values], dim=2)
+            return self.keys, self.values
+        start, end = self._len, self._len + keys.shape[2]
+        if end > self._keys.shape[2] or self._keys.requires_grad:
+            self._grow(end)
+        self._keys[:, :, start:end] = keys
+        self._values[:, :, start:end] = values
+        self._len = end
         return self.keys, self.values
+
+    def _grow(self, needed: int):
+        # (b, num_kv_heads, capacity, head_dim), capacity doubling: O(1) amortized appends
+        capacity = max(needed, 2 * self._len, 64)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self._len] = old[:, :, : self._len]
+            setattr(self, name, new)
 
 
 class MultiHeadAttention(nn.Module):
