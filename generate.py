@@ -1,0 +1,11 @@
+"""Generate text from a gptmini checkpoint or a local GPT-2 directory.
+
+    python generate.py --checkpoint runs/.../last.ckpt --prompt "ROMEO:" --stream
+
+All the logic is in `gptmini.generation.main`; `python generate.py -h` lists the options.
+"""
+
+from gptmini.generation import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Load a trained gptmini model from a checkpoint: the model, its tokenizer and its settings.
+
+A gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict):
+
+    {"state_dict": {"model.<GPTModel key>": tensor, ...},
+     "hyper_parameters": {<every GPTConfig field>, "tokenizer": "gpt2", <training settings>},
+     ...Lightning's own keys (epoch, global_step, optimizer_states, loops, callbacks)...}
+
+It is always read with `torch.load(weights_only=True)`: tensors, numbers, strings and
+containers only, so a checkpoint cannot run code when it is opened. A directory in the
+Hugging Face GPT-2 layout (config.json + weights) is accepted too, through `convert`.
+"""
+
+import pickle
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from gptmini.model import GPTConfig, GPTModel
+
+__all__ = ["load_checkpoint", "CONFIG_FIELDS", "MODEL_PREFIX"]
+
+CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
+MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
+# The fields a config cannot do without; the others have defaults.
+_REQUIRED = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu"
+) -> tuple[GPTModel, str, dict]:
+    """Rebuild the model a checkpoint was trained with.
+
+    Args:
+        path: a gptmini `.ckpt` file, or a Hugging Face GPT-2 directory (`config.json` and
+            `model.safetensors` or `pytorch_model.bin`).
+        map_location: device for the weights and the model.
+
+    Returns:
+        (model in eval mode, tokenizer name, hyper_parameters dict). For a Hugging Face
+        directory the tokenizer is "gpt2" and the dict holds the GPTConfig fields.
+
+    Raises:
+        FileNotFoundError: nothing at `path`.
+        ValueError: the file is corrupt or truncated, needs arbitrary unpickling, is not a
+            gptmini checkpoint, or its weights do not fit its configuration.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; pass the .ckpt file that train.py saved (look under "
+            "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
+        )
+    if path.is_dir():
+        from gptmini.convert import load_hf
+
+        model = load_hf(path).to(map_location).eval()
+        return model, "gpt2", {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+
+    ckpt = _safe_load(path, map_location)
+    hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(hparams, dict) or not isinstance(state, dict):
+        found = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(
+            f"{path} is not a gptmini checkpoint: expected a dict with 'state_dict' and "
+            f"'hyper_parameters' (what train.py saves), found {found}"
+        )
+    missing = [name for name in _REQUIRED if name not in hparams]
+    if missing:
+        raise ValueError(
+            f"{path} is not a gptmini checkpoint: its hyper_parameters lack the GPTConfig "
+            f"fields {missing}, so the model cannot be rebuilt (was it saved by another "
+            "LightningModule?)"
+        )
+    model_state = _model_state(state)
+    if not model_state:
+        raise ValueError(
+            f"{path} is not a gptmini checkpoint: no '{MODEL_PREFIX}' weights in its state_dict "
+            f"(first keys: {sorted(state)[:5]})"
+        )
+    try:
+        cfg = GPTConfig(**{k: hparams[k] for k in CONFIG_FIELDS if k in hparams})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: its hyper_parameters do not make a GPTConfig: {err}") from err
+
+    model = GPTModel(cfg)
+    if cfg.tie_weights and "out_head.weight" not in model_state:
+        # One copy is enough for a tied head; some writers keep only the embedding.
+        model_state["out_head.weight"] = model_state.get("tok_emb.weight")
+    try:
+        model.load_state_dict(model_state, strict=True)
+    except RuntimeError as err:
+        problems = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            f"{path}: the weights do not match the model its hyper_parameters describe "
+            f"({cfg}): {'; '.join(problems[:3])}{more}"
+        ) from None
+    tokenizer = hparams.get("tokenizer", "gpt2")
+    return model.to(map_location).eval(), str(tokenizer), dict(hparams)
+
+
+def _safe_load(path: Path, map_location) -> object:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # The weights-only unpickler names the class it would have had to import.
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        if found:
+            raise ValueError(
+                f"refusing to load {path}: it holds a {found.group(1)} object, which only "
+                "arbitrary unpickling can rebuild (code could run while loading). gptmini "
+                "checkpoints hold only tensors, numbers and strings; re-save it from a "
+                "trusted session with plain values (e.g. hyper_parameters as a flat dict)"
+            ) from None
+        raise _corrupt(path, err) from None
+    except Exception as err:  # torch reports damaged files as RuntimeError, EOFError, ...
+        raise _corrupt(path, err) from None
+
+
+def _corrupt(path: Path, err: Exception) -> ValueError:
+    return ValueError(
+        f"cannot read {path}: it is corrupt, truncated or not a PyTorch checkpoint "
+        f"({type(err).__name__}: {str(err)[:200]}); re-copy it or pick another .ckpt"
+    )
+
+
+def _model_state(state: dict) -> dict:
+    """GPTModel keys from the training module's state_dict."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith(MODEL_PREFIX):
+            key = key[len(MODEL_PREFIX):]
+            # torch.compile wraps the module; its keys gain this prefix.
+            key = key.removeprefix("_orig_mod.")
+            out[key] = value
+    return out

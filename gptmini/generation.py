@@ -1,0 +1,567 @@
+"""Sampling and autoregressive generation, with a KV cache.
+
+`generate` keeps the book's chapter 5 signature and, with `use_cache=False` (the default),
+the book's computation: every step runs the model on the last `context_size` tokens and
+samples from the last position. With `use_cache=True` the prompt is run once (prefill) and
+each later step feeds only the newest token against cached keys and values; greedy output
+is the same, token for token.
+
+Past `context_size`, both paths slide the context as the book's `idx[:, -context_size:]`
+does. The cache path stays exactly equal to that crop by recomputing the cache from the
+cropped context once the sequence has outgrown it; from then on each new token costs a
+forward pass over `context_size` tokens, the same as recompute (positions shift by one each
+step, so no cached key is still valid).
+
+Batches of prompts with different lengths are left-padded (`left_pad`) and passed with their
+`attention_mask`; the model counts positions from each row's first real token, so every row
+generates what its prompt generates alone.
+
+`main` is the command line behind `generate.py`.
+"""
+
+import argparse
+import codecs
+import functools
+import math
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "generate",
+    "generate_stream",
+    "left_pad",
+    "sample_next_token",
+    "stream_text",
+    "build_parser",
+    "main",
+]
+
+
+def sample_next_token(
+    logits: Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Pick the next token from the last position's logits.
+
+    Temperature 0 is greedy (argmax) and draws no random numbers. Otherwise the logits are
+    divided by `temperature`, filtered by top-k then top-p (nucleus), and one token is drawn.
+
+    Args:
+        logits: (b, vocab_size) logits of the last position.
+        temperature: 0 for greedy, > 0 to sample (below 1 sharpens, above 1 flattens).
+        top_k: keep only the k most likely tokens (ties with the k-th are kept, as in the
+            book).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
+        generator: random source for the draw; None uses torch's global generator.
+
+    Returns:
+        (b,) token ids.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if top_k is not None:
+        k = min(top_k, logits.shape[-1])
+        min_val = torch.topk(logits, k, dim=-1).values[:, -1:]  # (b, 1)
+        logits = logits.masked_fill(logits < min_val, -torch.inf)
+    if temperature == 0.0:
+        return torch.argmax(logits, dim=-1)
+    logits = logits / temperature
+    if top_p is not None and top_p < 1.0:
+        logits = _top_p_filter(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # A token is dropped when the tokens ranked above it already hold top_p of the mass,
+    # so the most likely token always survives.
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise ValueError(
+            f"temperature must be a finite number >= 0, got {temperature!r}; use 0 for "
+            "greedy decoding or a positive value such as 0.8 to sample"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(
+            f"top_k must be an integer >= 1, got {top_k!r}; use e.g. 50 to sample among the "
+            "50 most likely tokens, or None to turn top-k off"
+        )
+    if top_p is not None and not (isinstance(top_p, int | float) and 0.0 < top_p <= 1.0):
+        raise ValueError(
+            f"top_p must be in (0, 1], got {top_p!r}; use e.g. 0.9 to sample from the "
+            "smallest set of tokens holding 90% of the probability, or None to turn it off"
+        )
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int] | Tensor], pad_id: int = 0, device=None
+) -> tuple[Tensor, Tensor]:
+    """Stack prompts of different lengths, padded on the left.
+
+    Args:
+        prompts: token id lists (or 1-D tensors), each at least one token long.
+        pad_id: id written at padding positions (any valid id; the mask hides it).
+
+    Returns:
+        idx (b, max_len) and attention_mask (b, max_len), 1 at real tokens, 0 at padding.
+    """
+    if len(prompts) == 0:
+        raise ValueError("left_pad got no prompts; pass at least one list of token ids")
+    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token; start empty prompts with "
+                         "<|endoftext|> (tokenizer.eot_token)")
+    max_len = max(len(r) for r in rows)
+    idx = torch.full((len(rows), max_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), max_len), dtype=torch.long)
+    for i, r in enumerate(rows):
+        idx[i, max_len - len(r):] = r
+        mask[i, max_len - len(r):] = 1
+    return idx.to(device), mask.to(device)
+
+
+def generate(
+    model: nn.Module,
+    idx: Tensor,
+    max_new_tokens: int,
+    context_size: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    *,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    attention_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    use_cache: bool = False,
+) -> Tensor:
+    """The book's `generate`, plus top-p, seeding, several samples, batching and a KV cache.
+
+    The positional parameters are the book's, so `generate(model, idx, 50, 256, 1.4, 25)`
+    runs as in chapter 5; everything new is keyword-only.
+
+    Args:
+        model: a `GPTModel` (or any module mapping (b, n) ids to (b, n, vocab) logits when
+            `use_cache=False` and no `attention_mask` is given). Call `model.eval()` first.
+        idx: (b, num_tokens) prompt ids; left-padded when `attention_mask` is given.
+        max_new_tokens: most tokens to add.
+        context_size: tokens the model sees per step; defaults to the model's context_length.
+        temperature: 0 for greedy, > 0 to sample.
+        top_k: sample among the k most likely tokens.
+        eos_id: a row stops when it draws this id; generation stops when every row has.
+            As in the book the final eos is not appended; rows that finished earlier are
+            filled with `eos_id` until the last one does.
+        top_p: nucleus sampling threshold in (0, 1].
+        num_samples: samples per prompt; rows come out prompt by prompt,
+            (prompt 0 sample 0, prompt 0 sample 1, ..., prompt 1 sample 0, ...).
+        attention_mask: (b, num_tokens), 1 at real tokens and 0 at left padding.
+        generator: random source for sampling; mutually exclusive with `seed`.
+        seed: seed for a fresh generator, so the same seed gives the same text.
+        use_cache: one prefill, then one token per step against cached keys and values.
+
+    Returns:
+        (b * num_samples, num_tokens + n) ids, the prompt followed by n <= max_new_tokens
+        new tokens.
+    """
+    prompts, _ = _prepare(idx, attention_mask, num_samples)
+    steps = list(
+        generate_stream(
+            model, idx, max_new_tokens, context_size, temperature, top_k, eos_id,
+            top_p=top_p, num_samples=num_samples, attention_mask=attention_mask,
+            generator=generator, seed=seed, use_cache=use_cache,
+        )
+    )
+    if not steps:
+        return prompts
+    return torch.cat([prompts, torch.stack(steps, dim=1)], dim=1)
+
+
+def generate_stream(
+    model: nn.Module,
+    idx: Tensor,
+    max_new_tokens: int,
+    context_size: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    *,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    attention_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    use_cache: bool = False,
+) -> Iterator[Tensor]:
+    """Like `generate`, but yields each step's new tokens as soon as they are drawn.
+
+    Takes the same arguments as `generate`, which is this generator collected; arguments
+    are checked when it is called.
+
+    Yields:
+        (b * num_samples,) token ids, one tensor per step.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+        max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if generator is not None and seed is not None:
+        raise ValueError("pass either seed or generator, not both; a seed makes a new generator")
+    idx, mask = _prepare(idx, attention_mask, num_samples)
+    context_size = _context_size(model, context_size)
+    if seed is not None:
+        generator = torch.Generator(device=idx.device).manual_seed(seed)
+    if getattr(model, "training", False):
+        warnings.warn(
+            "generating with a model in training mode: dropout makes outputs random and the "
+            "KV cache path differ from recompute; call model.eval() first",
+            stacklevel=2,
+        )
+
+    return _stream(model, idx, mask, max_new_tokens, context_size, temperature, top_k, top_p,
+                   eos_id, generator, use_cache)
+
+
+@torch.inference_mode()
+def _stream(
+    model, idx, mask, max_new_tokens, context_size, temperature, top_k, top_p, eos_id,
+    generator, use_cache,
+) -> Iterator[Tensor]:
+    # Separate from generate_stream so that bad arguments raise at the call, not at the
+    # first next().
+    linears = _cpu_linears(model)
+    b = idx.shape[0]
+    finished = torch.zeros(b, dtype=torch.bool, device=idx.device)
+    caches = None
+    for _ in range(max_new_tokens):
+        if use_cache and caches is not None and idx.shape[1] <= context_size:
+            # The cache holds every token but the newest: feed just that one.
+            logits = _last_logits(model, idx[:, -1:], mask, caches, linears)
+        else:
+            # First step, or past context_size: (re)compute over the cropped context.
+            idx_cond = idx[:, -context_size:]
+            mask_cond = None if mask is None else mask[:, -context_size:]
+            caches = model.new_kv_caches() if use_cache else None
+            logits = _last_logits(model, idx_cond, mask_cond, caches, linears)
+        next_ids = sample_next_token(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )  # (b,)
+        if eos_id is not None:
+            next_ids = next_ids.masked_fill(finished, eos_id)
+            finished = finished | (next_ids == eos_id)
+            if bool(finished.all()):
+                return
+        yield next_ids
+        idx = torch.cat([idx, next_ids[:, None]], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+
+
+def _prepare(
+    idx: Tensor, attention_mask: Tensor | None, num_samples: int
+) -> tuple[Tensor, Tensor | None]:
+    """Validate the prompt batch and repeat each prompt `num_samples` times."""
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
+        shape = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
+        raise ValueError(
+            f"idx must be a (batch, num_tokens) tensor of token ids with num_tokens >= 1, got "
+            f"{shape}; use idx.unsqueeze(0) for one prompt and <|endoftext|> for an empty one"
+        )
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.shape != idx.shape:
+            raise ValueError(
+                f"attention_mask must have the shape of idx {tuple(idx.shape)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask.to(device=idx.device, dtype=torch.long)
+        left_padded = bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool((mask[:, -1] == 1).all())
+        if not left_padded or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                "attention_mask must be 0s then 1s in every row (left padding, at least one "
+                "real token); build prompts with gptmini.generation.left_pad"
+            )
+        if bool(mask.all()):
+            mask = None  # nothing padded: the unmasked path is the same and faster
+    if num_samples > 1:
+        idx = idx.repeat_interleave(num_samples, dim=0)
+        mask = None if mask is None else mask.repeat_interleave(num_samples, dim=0)
+    return idx, mask
+
+
+def _context_size(model: nn.Module, context_size: int | None) -> int:
+    cfg = getattr(model, "cfg", None)
+    limit = getattr(cfg, "context_length", None)
+    if context_size is None:
+        if limit is None:
+            raise ValueError("context_size is needed for a model without cfg.context_length")
+        return limit
+    if isinstance(context_size, bool) or not isinstance(context_size, int) or context_size < 1:
+        raise ValueError(f"context_size must be an integer >= 1, got {context_size!r}")
+    if limit is not None and context_size > limit:
+        raise ValueError(
+            f"context_size={context_size} exceeds the model's context_length={limit}; "
+            f"use context_size={limit} (or leave it None)"
+        )
+    return context_size
+
+
+def _last_logits(
+    model: nn.Module,
+    idx: Tensor,
+    mask: Tensor | None,
+    caches: list | None,
+    linears: list[nn.Linear],
+) -> Tensor:
+    """Logits of the last position only, (b, vocab_size).
+
+    The output head is a (vocab_size x emb_dim) matmul per position, the largest in a small
+    GPT; only the last position is sampled from, so the head sees only that one.
+    """
+    with _onednn_linears(linears), _head_on_last_position(model, enabled=idx.shape[1] > 1):
+        if caches is not None:
+            return model(idx, mask, kv_caches=caches)[:, -1, :]
+        if mask is not None:
+            return model(idx, mask)[:, -1, :]
+        return model(idx)[:, -1, :]  # the book's call, for any module
+
+
+@contextmanager
+def _head_on_last_position(model: nn.Module, enabled: bool):
+    head = getattr(model, "out_head", None)
+    if not enabled or not isinstance(head, nn.Module):
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda _module, args: (args[0][:, -1:, :],))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# On CPU, torch runs float32 nn.Linear through MKL, which on this project's AMD test machine
+# runs a batch-1 matrix-vector product on one core (17 GB/s of 40) and a batch-8 product at
+# a third of oneDNN's speed. oneDNN (the kernel torch.compile uses for CPU linears) gives
+# 1.4x at batch 1 and 1.6x at batch 8 for the same float32 result up to rounding. It is
+# switched on only around each model call of a generation, and off if the op is missing
+# or disagrees with F.linear.
+USE_ONEDNN_LINEAR = True
+
+
+def _cpu_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain float32 CPU linears of `model` that oneDNN can run, if it is usable."""
+    if not (USE_ONEDNN_LINEAR and _onednn_linear_ok()):
+        return []
+    return [
+        m for m in model.modules()
+        if type(m) is nn.Linear
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+        and "forward" not in m.__dict__
+    ]
+
+
+@functools.cache
+def _onednn_linear_ok() -> bool:
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*s, generator=gen) for s in ((2, 3, 16), (5, 16), (5,)))
+        with torch.inference_mode():
+            got = (op(x, w, b, "none", [], ""), op(x, w, None, "none", [], ""))
+        want = (nn.functional.linear(x, w, b), nn.functional.linear(x, w))
+        pairs = zip(got, want, strict=True)
+        return all(torch.allclose(g, e, atol=1e-5, rtol=1e-5) for g, e in pairs)
+    except Exception:  # op missing or changed in this torch build: keep torch's default
+        return False
+
+
+def _onednn_forward(module: nn.Linear, x: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
+
+
+@contextmanager
+def _onednn_linears(linears: list[nn.Linear]):
+    for m in linears:
+        m.forward = functools.partial(_onednn_forward, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def stream_text(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    stop_at_eos: bool = True,
+    use_cache: bool = True,
+) -> Iterator[str]:
+    """Generate from a text prompt and yield the new text piece by piece.
+
+    An empty prompt starts from `<|endoftext|>`. Text comes out as soon as it is complete
+    UTF-8, so a character split over two BPE tokens appears once both are drawn.
+
+    Args:
+        model: a `GPTModel` in eval mode.
+        tokenizer: a tiktoken `Encoding` (see `gptmini.tokenizer.get_tokenizer`).
+        prompt: the text to continue; `<|endoftext|>` in it is the special token.
+        max_new_tokens: most tokens to add.
+        stop_at_eos: stop at `<|endoftext|>` (not printed).
+        use_cache: generate with the KV cache (the default here; same greedy tokens).
+
+    Yields:
+        Pieces of the generated text (the prompt itself is not repeated).
+    """
+    eot = tokenizer.eot_token
+    ids = tokenizer.encode(prompt, allowed_special={"<|endoftext|>"}) or [eot]
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for next_ids in generate_stream(
+        model, idx, max_new_tokens, None, temperature, top_k, eot if stop_at_eos else None,
+        top_p=top_p, generator=generator, seed=seed, use_cache=use_cache,
+    ):
+        piece = decoder.decode(tokenizer.decode_single_token_bytes(int(next_ids[0])))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `generate.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
+    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
+    text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
+    parser.add_argument("--top_p", type=float, default=None, help="nucleus threshold in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they come")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `generate.py` with `argv` (default `sys.argv[1:]`); print the samples.
+
+    Samples are drawn one after another from one generator, so the output is the same
+    with and without `--stream`. Bad arguments exit with status 2 and a message.
+    """
+    # Imported here so that `import gptmini.generation` stays torch-only.
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.convert import load_hf
+    from gptmini.tokenizer import get_tokenizer
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
+    try:
+        _check_sampling(args.temperature, top_k, args.top_p)
+        if args.max_new_tokens < 0 or args.num_samples < 1:
+            raise ValueError("--max_new_tokens must be >= 0 and --num_samples >= 1")
+        device = _resolve_device(args.device)
+        if args.prompt_file is not None:
+            if not args.prompt_file.is_file():
+                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        else:
+            prompt = args.prompt
+        if args.checkpoint is not None:
+            model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location=device)
+        else:
+            model, tokenizer_name = load_hf(args.hf).to(device), "gpt2"
+        tokenizer = get_tokenizer(tokenizer_name)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        parser.error(str(err))
+
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = sys.stdout
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
+        out.write(prompt)
+        out.flush()
+        pieces = stream_text(
+            model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
+            top_k=top_k, top_p=args.top_p, generator=generator,
+        )
+        if args.stream:
+            for piece in pieces:
+                out.write(piece)
+                out.flush()
+        else:
+            out.write("".join(pieces))
+        out.write("\n")
+        out.flush()
+    return 0
+
+
+def _resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a device name ({err}); try cpu") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(
+                f"--device {name} is not available: this machine has {count} CUDA device(s) "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+        return device
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name} is not available on this machine; use --device cpu")
+        return device
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # backends report missing devices with different types
+        raise ValueError(f"--device {name} is not available ({err}); use --device cpu") from None
+    return device
