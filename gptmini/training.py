@@ -1,0 +1,208 @@
+"""The training command: LightningCLI over `GPTLitModule` and `GPTDataModule`, with the
+run directory, loggers, checkpoints and sample callback a training run needs.
+
+A run lives in `<trainer.default_root_dir>/<run_name>/`:
+    checkpoints/last.ckpt   every --checkpoint_every steps (resume with --ckpt_path last)
+    checkpoints/best.ckpt   lowest val/loss so far
+    logs/version_N/         metrics.csv and hparams.yaml of each invocation (CSV logger)
+    wandb/                  when --wandb true
+"""
+
+import difflib
+import netrc
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from gptmini.data import GPTDataModule
+from gptmini.lit_module import GPTLitModule
+
+TRAINER_DEFAULTS = {
+    "max_steps": 2000,
+    "precision": "32-true",  # bf16 matmuls crawl on CPUs; configs for GPUs set bf16-mixed
+    "val_check_interval": 250,
+    "check_val_every_n_epoch": None,  # validate every val_check_interval steps, across epochs
+    "limit_val_batches": 40,
+    "log_every_n_steps": 10,
+    "gradient_clip_val": 1.0,
+    "use_distributed_sampler": False,  # GPTDataModule shards windows across ranks itself
+    "default_root_dir": "runs",
+}
+
+
+class SampleCallback(Callback):
+    """Every `every_n_steps`, continue a fixed prompt and log the text.
+
+    Printed to the console, and added to a wandb table when wandb logs the run. Sampling
+    runs under a forked random generator, so it never changes the training run's dropout.
+    """
+
+    def __init__(self, every_n_steps: int = 500, prompt: str = "ROMEO:", max_new_tokens: int = 40):
+        self.every_n_steps = every_n_steps
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
+        step = trainer.global_step
+        if self.every_n_steps <= 0 or step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        text = sample_text(pl_module, self.prompt, self.max_new_tokens)
+        print(f"\n[step {step}] {text!r}", flush=True)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_text(key="samples", columns=["step", "text"], data=[[step, text]])
+
+
+def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+    from gptmini.generation import generate
+    from gptmini.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
+    model = pl_module.model
+    ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
+    idx = torch.tensor([ids], device=pl_module.device)
+    was_training = model.training
+    model.eval()
+    devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = generate(model, idx, max_new_tokens, model.cfg.context_length,
+                       temperature=0.8, top_k=50)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())
+
+
+class GPTCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        parser.add_argument("--run_name", type=str, default="shakespeare-cpu",
+                            help="Folder of this run under trainer.default_root_dir.")
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="Resume: 'last' (this run's last.ckpt) or a checkpoint path.")
+        parser.add_argument("--checkpoint_every", type=int, default=250,
+                            help="Save checkpoints/last.ckpt every this many optimizer steps.")
+        parser.add_argument("--sample_every", type=int, default=500,
+                            help="Log a sample of generated text every this many steps (0: off).")
+        parser.add_argument("--sample_prompt", type=str, default="ROMEO:")
+        parser.add_argument("--attention_every", type=int, default=0,
+                            help="Save the attention map of a fixed prompt every this many "
+                                 "steps (0: off; needs matplotlib).")
+        parser.add_argument("--wandb", type=bool, default=False,
+                            help="Also log to Weights & Biases (offline when no API key).")
+        parser.add_argument("--wandb_project", type=str, default="gptmini")
+        # One window length for model and data, one tokenizer for both.
+        parser.link_arguments("model.context_length", "data.max_length")
+        parser.link_arguments("model.tokenizer", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        cfg = self.config
+        directory = run_dir(self)
+        if cfg.trainer.logger in (None, True):
+            kwargs["logger"] = make_loggers(directory, cfg.run_name, cfg.wandb, cfg.wandb_project)
+        self.trainer_defaults["callbacks"] = [
+            ModelCheckpoint(dirpath=directory / "checkpoints", save_top_k=0, save_last=True,
+                            every_n_train_steps=cfg.checkpoint_every),
+            ModelCheckpoint(dirpath=directory / "checkpoints", filename="best",
+                            monitor="val/loss", mode="min", save_top_k=1,
+                            enable_version_counter=False),
+            SampleCallback(cfg.sample_every, cfg.sample_prompt),
+        ]
+        if cfg.attention_every > 0:
+            from gptmini.visualize import AttentionMapCallback
+
+            self.trainer_defaults["callbacks"].append(AttentionMapCallback(cfg.attention_every))
+        return super().instantiate_trainer(**kwargs)
+
+    def parse_arguments(self, parser, args):
+        check_keys(parser, sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
+
+def make_loggers(run_dir: Path, run_name: str, use_wandb: bool, project: str) -> list:
+    loggers = [CSVLogger(save_dir=run_dir, name="logs")]
+    if use_wandb:
+        if not wandb_api_key_present():
+            # Offline never prompts and never waits on a network.
+            os.environ["WANDB_MODE"] = "offline"
+            print(f"wandb: no API key found, logging offline under {run_dir / 'wandb'}; "
+                  f"upload later with: wandb sync {run_dir / 'wandb'}/offline-run-*",
+                  flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        loggers.append(WandbLogger(project=project, name=run_name, save_dir=str(run_dir)))
+    return loggers
+
+
+def wandb_api_key_present() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def check_keys(parser, args: list[str]):
+    """Unknown `--a.b` options: name the key and suggest the closest known one."""
+    known = set()
+    for action in parser._actions:  # jsonargparse keeps nested groups flattened here
+        known.update(opt for opt in action.option_strings if opt.startswith("--"))
+    for arg in args:
+        key = arg.split("=", 1)[0]
+        if not key.startswith("--") or key in known or key in ("--help", "-h"):
+            continue
+        if key.startswith("--trainer.") and key.count(".") > 1:
+            continue  # nested class arguments (callbacks, plugins) are checked by jsonargparse
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else "; see --help for the options"
+        raise SystemExit(f"train.py: unknown option {key}{hint}")
+
+
+def build_cli(args: list[str] | None = None) -> GPTCLI:
+    """Parse the command line (or `args`) and build model, data and trainer."""
+    return GPTCLI(
+        GPTLitModule,
+        GPTDataModule,
+        args=args,
+        run=False,
+        seed_everything_default=1234,
+        trainer_defaults=dict(TRAINER_DEFAULTS),
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False},
+    )
+
+
+def fit(cli: GPTCLI):
+    """Train, resuming from --ckpt_path when given."""
+    ckpt = cli.config.ckpt_path
+    if ckpt == "last" and not (run_dir(cli) / "checkpoints" / "last.ckpt").is_file():
+        print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")
+        ckpt = None
+    elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
+        raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
+
+
+def main(args: list[str] | None = None) -> int:
+    """Run training from the command line (or from `args`); returns the exit code.
+
+    Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
+    to see the traceback anyway.
+    """
+    try:
+        fit(build_cli(args))
+    except (FloatingPointError, ValueError, FileNotFoundError) as err:
+        if os.environ.get("GPTMINI_TRACEBACK"):
+            raise
+        verb = "stopped" if isinstance(err, FloatingPointError) else "error"
+        print(f"train.py: {verb}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_dir(cli: GPTCLI) -> Path:
+    return Path(cli.config.trainer.default_root_dir or "runs") / cli.config.run_name

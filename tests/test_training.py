@@ -1,0 +1,307 @@
+"""End-to-end training on CPU: a short run, exact resume, NaN stop, DDP, configs, bad input."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from gptmini.data import GPTDataModule
+from gptmini.lit_module import GPTLitModule
+from gptmini.training import build_cli, fit, main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def write_corpus(path: Path, repeats: int) -> Path:
+    """A small corpus with enough structure to learn in a few dozen steps."""
+    lines = [f"{name} said {word} to the {thing}." for name in ("Romeo", "Juliet", "Tybalt")
+             for word in ("hello", "farewell", "nothing") for thing in ("moon", "sun", "night")]
+    path.write_text("\n".join(lines * repeats))
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt", repeats=12)
+
+
+def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
+    return [
+        "--trainer.default_root_dir", str(tmp_path / "runs"),
+        "--run_name", "tiny",
+        "--trainer.accelerator", "cpu",
+        "--trainer.max_steps", "30",
+        "--trainer.val_check_interval", "10",
+        "--trainer.limit_val_batches", "4",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1",
+        "--checkpoint_every", "10",
+        "--sample_every", "0",
+        "--model.context_length", "16",
+        "--model.emb_dim", "32",
+        "--model.n_heads", "2",
+        "--model.n_layers", "2",
+        "--model.warmup_steps", "5",
+        "--model.learning_rate", "3e-3",
+        "--model.peak_flops", "1e10",
+        "--data.source", str(corpus),
+        "--data.batch_size", "4",
+        "--data.cache_dir", str(corpus.parent / "cache"),
+        "--data.val_fraction", "0.1",
+        *extra,
+    ]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    rows = []
+    for path in sorted(run.glob("logs/version_*/metrics.csv")):
+        with path.open() as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def column(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
+
+@pytest.mark.slow
+def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
+    assert main(tiny_args(tmp_path, corpus, "--sample_every", "15")) == 0
+    run = tmp_path / "runs" / "tiny"
+    rows = read_metrics(run)
+    train, val = column(rows, "train/loss"), column(rows, "val/loss")
+    assert len(val) == 3
+    assert val[-1] < val[0] - 0.5, val
+    assert train[-1] < train[0] - 1.0, train
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "val/ppl"):
+        assert column(rows, key), key
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "checkpoints" / "best.ckpt").is_file()
+    # A checkpoint alone rebuilds the model, and loads without unpickling arbitrary objects.
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 30
+    hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
+    module = GPTLitModule(**hparams)
+    module.load_state_dict(ckpt["state_dict"])
+
+
+class StopAt(Callback):
+    """Simulates a run that dies after `step` optimizer steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resume=False):
+    args = tiny_args(tmp_path, corpus, "--run_name", name, "--model.drop_rate", "0.1",
+                     "--trainer.max_steps", "24", "--checkpoint_every", "1",
+                     "--trainer.val_check_interval", "8")
+    if resume:
+        args += ["--ckpt_path", "last"]
+    cli = build_cli(args)
+    if stop_at is not None:
+        cli.trainer.callbacks.append(StopAt(stop_at))
+    fit(cli)
+    return cli.trainer.global_step, {k: v.clone() for k, v in cli.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path):
+    """12 steps + resume + 12 steps gives the weights of 24 steps straight.
+
+    Dropout is on (RNG state), the schedule is mid-cosine, and the 24 steps cross an
+    epoch boundary of the data (checked: between 12 and 24 batches per epoch).
+    """
+    corpus = write_corpus(tmp_path / "corpus.txt", repeats=4)
+    module = GPTDataModule(source=str(corpus), max_length=16, batch_size=4, val_fraction=0.1,
+                           cache_dir=str(tmp_path / "cache"))
+    module.prepare_data()
+    module.setup("fit")
+    assert 12 < len(module.train_dataloader()) < 24
+    steps, straight = final_weights(tmp_path, corpus, "straight")
+    assert steps == 24
+    steps, _ = final_weights(tmp_path, corpus, "resumed", stop_at=12)
+    assert steps == 12
+    steps, resumed = final_weights(tmp_path, corpus, "resumed", resume=True)
+    assert steps == 24
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+
+
+class PoisonAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.final_norm.weight.fill_(float("nan"))
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus):
+    cli = build_cli(tiny_args(tmp_path, corpus, "--checkpoint_every", "1"))
+    cli.trainer.callbacks.append(PoisonAt(7))
+    with pytest.raises(FloatingPointError, match="loss is nan at step 7"):
+        fit(cli)
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True)
+    assert ckpt["global_step"] == 7
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+
+
+@pytest.mark.slow
+def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, monkeypatch):
+    cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10"))
+    fit(cli)
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+
+    def dies_midway(obj, f, *args, **kwargs):
+        f.write(b"partial checkpoint bytes")
+        raise KeyboardInterrupt  # a kill while the checkpoint is being written
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        cli.trainer.save_checkpoint(last)
+    assert last.read_bytes() == before
+    monkeypatch.undo()
+    assert torch.load(last, weights_only=True)["global_step"] == 10
+
+
+@pytest.mark.slow
+def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, capsys):
+    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10")) == 0
+    code = main(tiny_args(tmp_path, corpus, "--model.emb_dim", "64", "--ckpt_path", "last"))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "different model (emb_dim=32 there, 64 here)" in err
+
+
+@pytest.mark.slow
+def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "5", "--wandb", "true")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "logging offline" in proc.stdout and "wandb sync" in proc.stdout
+    assert list((tmp_path / "runs" / "tiny" / "wandb").glob("offline-run-*"))
+    assert read_metrics(tmp_path / "runs" / "tiny")  # CSV keeps working beside wandb
+
+
+DDP_SCRIPT = """
+import json, sys
+from lightning.pytorch import Callback
+from gptmini.training import build_cli, fit
+
+class Record(Callback):
+    def __init__(self):
+        self.windows = []
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.windows += [row[:8].tolist() for row in batch[0]]
+    def on_train_end(self, trainer, pl_module):
+        with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"windows": self.windows, "step": trainer.global_step}, f)
+
+out = sys.argv[1]
+cli = build_cli(sys.argv[2:])
+cli.trainer.callbacks.append(Record())
+fit(cli)
+"""
+
+
+@pytest.mark.slow
+def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
+    corpus = tmp_path / "numbers.txt"  # no two windows alike, unlike the repetitive corpus
+    corpus.write_text(" ".join(str(i) for i in range(2000)))
+    script = tmp_path / "ddp_run.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.devices", "2",
+                     "--trainer.strategy", "ddp", "--data.stride", "4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path,
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["step"] == 6 for r in ranks)
+    seen = [{tuple(w) for w in r["windows"]} for r in ranks]
+    assert len(ranks[0]["windows"]) == len(ranks[1]["windows"]) == 6 * 4
+    assert not seen[0] & seen[1], "both ranks trained on the same windows"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    import yaml
+
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert "max_length" not in printed["data"]  # linked: it follows model.context_length
+    with torch.device("meta"):
+        GPTLitModule(**{**printed["model"], "peak_flops": 1.0})
+    GPTDataModule(**printed["data"], max_length=printed["model"]["context_length"])
+
+
+def test_no_arguments_means_the_cpu_default_config(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["--print_config"])
+    import yaml
+
+    default = yaml.safe_load(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        build_cli(["--config", str(REPO / "configs" / "shakespeare-cpu.yaml"), "--print_config"])
+    from_file = yaml.safe_load(capsys.readouterr().out)
+    for section in ("model", "data"):
+        assert default[section] == from_file[section], section
+    assert default["trainer"]["max_steps"] == from_file["trainer"]["max_steps"]
+    assert default["data"]["source"] is None  # the embedded corpus
+
+
+def test_unknown_option_names_the_key_and_suggests_the_close_one():
+    with pytest.raises(SystemExit, match=r"unknown option --model.n_layer; did you mean "
+                                         r"--model.n_layers\?"):
+        build_cli(["--model.n_layer", "2"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.learning_rate", "-1"], "model.learning_rate=-1.0 must be in"),
+        (["--data.batch_size", "0"], "batch_size"),
+        (["--trainer.max_steps", "3", "--model.warmup_steps", "5"],
+         "warmup_steps=5 is longer than the run"),
+    ],
+)
+def test_invalid_values_give_one_clear_line(tmp_path, corpus, capsys, args, message):
+    assert main(tiny_args(tmp_path, corpus, *args)) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_corpus_too_short_for_the_context(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("To be or not to be.")
+    assert main(tiny_args(tmp_path, short)) == 1
+    err = capsys.readouterr().err
+    assert "short.txt" in err and "tokens" in err

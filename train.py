@@ -1,0 +1,13 @@
+"""Train a GPT. With no arguments: the small CPU model on the embedded Shakespeare corpus.
+
+    python train.py --config configs/shakespeare-cpu.yaml --trainer.max_steps 100
+    python train.py --print_config
+    python train.py --ckpt_path last          # resume the run exactly where it stopped
+"""
+
+import sys
+
+from gptmini.training import main
+
+if __name__ == "__main__":
+    sys.exit(main())
