@@ -1,0 +1,113 @@
+"""Generation throughput: KV cache against full recompute, batch 1 and batch 8, one run.
+
+Random weights (speed does not depend on them), greedy, a 16-token prompt and 48 new
+tokens per row, for a small config and the GPT-2 124M shape. New tokens/s counts the
+whole `generate` call, prefill included. The roofline: decoding one token reads every
+weight once, so at batch 1 the machine's memory read bandwidth over the weights' bytes is
+the most tokens/s any implementation can reach (a batch of b shares each read).
+
+    python bench/bench_generation.py [--new_tokens 48] [--prompt_tokens 16]
+"""
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+import gptmini.generation as generation
+from gptmini.generation import generate
+from gptmini.model import GPTConfig, GPTModel, num_parameters
+
+CONFIGS = {
+    "small (cpu-small: 4L, emb 256, ctx 128)": GPTConfig.from_preset("cpu-small", drop_rate=0.0),
+    "GPT-2 124M shape": GPTConfig.from_preset("gpt2-124m"),
+}
+BATCHES = (1, 8)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of summing a 512 MB float32 tensor (far larger than any cache), best of 5."""
+    data = torch.ones(128 * 1024 * 1024)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def tokens_per_sec(model, batch, prompt_tokens, new_tokens, use_cache, repeats) -> float:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.cfg.vocab_size, (batch, prompt_tokens), generator=gen)
+    generate(model, idx, 2, use_cache=use_cache)  # warm-up: kernels, allocator
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = generate(model, idx, new_tokens, use_cache=use_cache)
+        best = min(best, time.perf_counter() - start)
+    assert out.shape == (batch, prompt_tokens + new_tokens)
+    return batch * new_tokens / best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new_tokens", type=int, default=48)
+    parser.add_argument("--prompt_tokens", type=int, default=16)
+    args = parser.parse_args()
+
+    bandwidth = read_bandwidth()
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, BLAS {torch.backends.mkl.is_available() and 'MKL'}"
+          f", oneDNN linears in generation: {bool(generation._cpu_linears(torch.nn.Linear(2, 2)))}")
+    print(f"memory read bandwidth (sum of 512 MB): {bandwidth / 1e9:.1f} GB/s")
+    print(f"greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row; "
+          "tok/s = new tokens of all rows / wall time of the generate call\n")
+
+    results = {}
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        model = GPTModel(cfg).eval()
+        params = num_parameters(model)
+        ceiling = bandwidth / (params * 4)
+        print(f"{name}: {params / 1e6:.1f}M parameters, {params * 4 / 1e6:.0f} MB fp32; "
+              f"roofline {params * 4 / 1e6:.0f} MB / {bandwidth / 1e9:.1f} GB/s = "
+              f"{ceiling:.0f} tok/s per row at batch 1")
+        print(f"  {'batch':>5} {'recompute tok/s':>16} {'KV cache tok/s':>15} {'speed-up':>9} "
+              f"{'cache vs roofline':>18}")
+        for batch in BATCHES:
+            slow = tokens_per_sec(model, batch, args.prompt_tokens, args.new_tokens, False, 1)
+            fast = tokens_per_sec(model, batch, args.prompt_tokens, args.new_tokens, True, 3)
+            results[name, batch] = fast
+            print(f"  {batch:>5} {slow:>16.1f} {fast:>15.1f} {fast / slow:>8.1f}x "
+                  f"{fast / batch / ceiling:>17.0%}", flush=True)
+        if name.startswith("GPT-2"):
+            generation.USE_ONEDNN_LINEAR = False
+            default = [tokens_per_sec(model, b, args.prompt_tokens, args.new_tokens, True, 3)
+                       for b in BATCHES]
+            generation.USE_ONEDNN_LINEAR = True
+            print(f"  KV cache with torch's default CPU linear (MKL): batch 1 {default[0]:.1f} "
+                  f"tok/s, batch 8 {default[1]:.1f} tok/s ({default[1] / default[0]:.1f}x)")
+        print()
+
+    b1, b8 = results["GPT-2 124M shape", 1], results["GPT-2 124M shape", 8]
+    print(f"goal >= 30 tok/s at 124M batch 1: {b1:.1f} tok/s, {'met' if b1 >= 30 else 'MISSED'}")
+    print(f"goal batch 8 >= 5x batch 1 at 124M: {b8 / b1:.1f}x, "
+          f"{'met' if b8 >= 5 * b1 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
