@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
 from gptmini.tokenizer import get_tokenizer
@@ -136,10 +137,27 @@ class GPTLitModule(L.LightningModule):
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
 
-    def on_before_optimizer_step(self, optimizer):
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if not torch.isfinite(norm):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        # One pass over the gradients measures their norm (logged, and checked before the
+        # weights change) and clips by it.
+        if gradient_clip_algorithm == "value":
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+            self._check_grad_norm(torch.linalg.vector_norm(norms))
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        max_norm = gradient_clip_val or math.inf  # None or 0: measure, do not clip
+        wrapped = self.trainer.strategy.model
+        if isinstance(wrapped, FullyShardedDataParallel):
+            norm = wrapped.clip_grad_norm_(max_norm)  # over the shards of every rank
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self._check_grad_norm(norm)
+
+    def _check_grad_norm(self, norm: Tensor):
+        # fp16 mixed precision overflows on purpose; its grad scaler skips those steps.
+        if not torch.isfinite(norm) and not str(self.trainer.precision).startswith("16"):
             raise FloatingPointError(
                 f"gradient norm is {norm.item()} at step {self.global_step}; the weights were "
                 "not updated and the last checkpoint is intact. Lower --model.learning_rate "

@@ -8,6 +8,8 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
     wandb/                  when --wandb true
 """
 
+import ctypes
+import ctypes.util
 import difflib
 import netrc
 import os
@@ -162,8 +164,28 @@ def check_keys(parser, args: list[str]):
         raise SystemExit(f"train.py: unknown option {key}{hint}")
 
 
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    A training step allocates and frees tensors of hundreds of MB (the logits over the
+    vocabulary). glibc serves each from fresh mmap pages that the kernel must fault in and
+    zero, every step: a third of the step in kernel time on a 2-core CPU. Served from the
+    heap and kept there, the same run trains about 1.3x faster (bench/bench_train.py).
+    Linux with glibc only; elsewhere this does nothing and returns False.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):  # musl or another libc without mallopt
+        return False
+
+
 def build_cli(args: list[str] | None = None) -> GPTCLI:
     """Parse the command line (or `args`) and build model, data and trainer."""
+    keep_freed_memory()
     return GPTCLI(
         GPTLitModule,
         GPTDataModule,

@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,6 +60,46 @@ def test_nan_loss_stops_with_the_step_named():
     batch = (torch.full((1, 4), 3), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(FloatingPointError, match="loss is nan at step 0"):
         module.training_step(batch, 0)
+
+
+def _module_after_backward(scale: float) -> tuple[GPTLitModule, dict]:
+    module = GPTLitModule(**TINY)
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module),
+                                     precision="32-true", global_step=7)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
+    batch = (torch.randint(0, 50257, (2, 8)), torch.randint(0, 50257, (2, 8)))
+    (module._loss(batch) * scale).backward()
+    return module, logged
+
+
+def _grad_norm(module: GPTLitModule) -> float:
+    norms = [p.grad.norm() for p in module.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item()
+
+
+def test_clipping_logs_the_norm_before_clipping_and_clips_to_the_limit():
+    module, logged = _module_after_backward(scale=100.0)
+    before = _grad_norm(module)
+    module.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    assert logged["train/grad_norm"].item() == pytest.approx(before, rel=1e-5)
+    assert before > 1.0 and _grad_norm(module) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_without_a_clip_value_the_norm_is_logged_and_gradients_are_untouched():
+    module, logged = _module_after_backward(scale=100.0)
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.configure_gradient_clipping(None, gradient_clip_val=None)
+    assert logged["train/grad_norm"].item() == pytest.approx(_grad_norm(module), rel=1e-5)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_infinite_gradient_stops_before_the_weights_change(algorithm):
+    module, _ = _module_after_backward(scale=1.0)
+    module.model.out_head.weight.grad[0, 0] = math.inf
+    with pytest.raises(FloatingPointError, match="gradient norm is inf at step 7"):
+        module.configure_gradient_clipping(None, 1.0, gradient_clip_algorithm=algorithm)
 
 
 def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():
