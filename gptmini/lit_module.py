@@ -45,7 +45,7 @@ class GPTLitModule(L.LightningModule):
         tokenizer: str = "gpt2",
         learning_rate: float = 1e-3,
         min_lr_ratio: float = 0.1,
-        warmup_steps: int = 100,
+        warmup_steps: int = 60,
         weight_decay: float = 0.1,
         beta1: float = 0.9,
         beta2: float = 0.95,

@@ -26,11 +26,11 @@ from gptmini.data import GPTDataModule
 from gptmini.lit_module import GPTLitModule
 
 TRAINER_DEFAULTS = {
-    "max_steps": 2000,
+    "max_steps": 600,
     "precision": "32-true",  # bf16 matmuls crawl on CPUs; configs for GPUs set bf16-mixed
-    "val_check_interval": 250,
+    "val_check_interval": 100,
     "check_val_every_n_epoch": None,  # validate every val_check_interval steps, across epochs
-    "limit_val_batches": 40,
+    "limit_val_batches": 20,
     "log_every_n_steps": 10,
     "gradient_clip_val": 1.0,
     "use_distributed_sampler": False,  # GPTDataModule shards windows across ranks itself
@@ -45,7 +45,7 @@ class SampleCallback(Callback):
     runs under a forked random generator, so it never changes the training run's dropout.
     """
 
-    def __init__(self, every_n_steps: int = 500, prompt: str = "ROMEO:", max_new_tokens: int = 40):
+    def __init__(self, every_n_steps: int = 200, prompt: str = "ROMEO:", max_new_tokens: int = 40):
         self.every_n_steps = every_n_steps
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -86,9 +86,9 @@ class GPTCLI(LightningCLI):
                             help="Folder of this run under trainer.default_root_dir.")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="Resume: 'last' (this run's last.ckpt) or a checkpoint path.")
-        parser.add_argument("--checkpoint_every", type=int, default=250,
+        parser.add_argument("--checkpoint_every", type=int, default=100,
                             help="Save checkpoints/last.ckpt every this many optimizer steps.")
-        parser.add_argument("--sample_every", type=int, default=500,
+        parser.add_argument("--sample_every", type=int, default=200,
                             help="Log a sample of generated text every this many steps (0: off).")
         parser.add_argument("--sample_prompt", type=str, default="ROMEO:")
         parser.add_argument("--attention_every", type=int, default=0,

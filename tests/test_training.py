@@ -274,7 +274,11 @@ def test_no_arguments_means_the_cpu_default_config(capsys):
     from_file = yaml.safe_load(capsys.readouterr().out)
     for section in ("model", "data"):
         assert default[section] == from_file[section], section
-    assert default["trainer"]["max_steps"] == from_file["trainer"]["max_steps"]
+    written = yaml.safe_load((REPO / "configs" / "shakespeare-cpu.yaml").read_text())
+    for key, value in written["trainer"].items():
+        assert default["trainer"][key] == value, f"trainer.{key}"
+    for key in ("run_name", "seed_everything", "checkpoint_every", "sample_every"):
+        assert default[key] == written[key], key
     assert default["data"]["source"] is None  # the embedded corpus
 
 
