@@ -43,6 +43,7 @@ class GPTLitModule(L.LightningModule):
         window_size: int | None = None,
         tie_weights: bool = True,
         tokenizer: str = "gpt2",
+        init_from: str | None = None,
         learning_rate: float = 1e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 60,
@@ -66,6 +67,10 @@ class GPTLitModule(L.LightningModule):
             window_size: Sliding-window attention span (None: full causal attention).
             tie_weights: Share the token embedding with the output head.
             tokenizer: tiktoken encoding name; "gpt2" works offline.
+            init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
+                weights start a new run, for fine-tuning; the model settings must match
+                its config.json, except that a shorter context_length keeps the first
+                context_length position embeddings. Ignored when resuming a checkpoint.
             learning_rate: Peak learning rate, reached after warmup.
             min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
             warmup_steps: Optimizer steps of linear warmup from 0.
@@ -105,6 +110,30 @@ class GPTLitModule(L.LightningModule):
             )
         if self._peak_flops is None:
             self._peak_flops = peak_flops_of(self.device)
+        if stage == "fit" and self.hparams.init_from and not self.trainer.ckpt_path:
+            self.load_pretrained(self.hparams.init_from)
+
+    def load_pretrained(self, directory: str):
+        """Copy a Hugging Face GPT-2's weights into this module's model."""
+        from gptmini.convert import load_hf
+
+        pretrained = load_hf(directory)
+        theirs, ours = pretrained.cfg, self.cfg
+        shape_fields = ("vocab_size", "emb_dim", "n_heads", "n_layers", "qkv_bias", "tie_weights")
+        differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
+        if ours.context_length > theirs.context_length:
+            differ.append("context_length")
+        if ours.n_kv_heads not in (None, ours.n_heads):
+            differ.append("n_kv_heads")
+        if differ:
+            wanted = " ".join(f"--model.{f} {getattr(theirs, f)}" for f in differ)
+            raise ValueError(
+                f"model.init_from={directory} holds a different model "
+                f"({', '.join(f'{f}={getattr(theirs, f)!r}' for f in differ)}); set {wanted}"
+            )
+        state = pretrained.state_dict()
+        state["pos_emb.weight"] = state["pos_emb.weight"][: ours.context_length]
+        self.model.load_state_dict(state, strict=True)
 
     # --- steps --------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gptmini.convert import export_hf
 from gptmini.lit_module import GPTLitModule, lr_factor, measure_matmul_flops
+from gptmini.model import GPTConfig, GPTModel
 
 TINY = dict(vocab_size=50257, context_length=16, emb_dim=16, n_heads=2, n_layers=2,
             drop_rate=0.0, peak_flops=1e9)
@@ -107,3 +109,54 @@ def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():
     flops = measure_matmul_flops(size=256, seconds=0.05)
     assert torch.equal(state, torch.get_rng_state())
     assert 1e8 < flops < 1e14
+
+
+PRETRAINED = dict(vocab_size=50257, context_length=32, emb_dim=16, n_heads=2, n_layers=2,
+                  drop_rate=0.0, qkv_bias=True, tie_weights=True)
+
+
+def _exported_gpt2(tmp_path) -> GPTModel:
+    """A small random GPT-2 written in the Hugging Face layout, as a downloaded one would be."""
+    torch.manual_seed(5)
+    model = GPTModel(GPTConfig(**PRETRAINED)).eval()
+    export_hf(model, tmp_path / "gpt2")
+    return model
+
+
+def _setup_for_fit(module: GPTLitModule, ckpt_path=None) -> GPTLitModule:
+    module.trainer = SimpleNamespace(ckpt_path=ckpt_path)
+    module.setup("fit")
+    return module.eval()
+
+
+def test_init_from_starts_the_run_from_the_pretrained_weights(tmp_path):
+    pretrained = _exported_gpt2(tmp_path)
+    module = _setup_for_fit(GPTLitModule(**PRETRAINED, peak_flops=1.0,
+                                         init_from=str(tmp_path / "gpt2")))
+    for name, tensor in pretrained.state_dict().items():
+        assert torch.equal(module.model.state_dict()[name], tensor), name
+
+
+def test_init_from_with_a_shorter_context_computes_what_the_pretrained_model_does(tmp_path):
+    pretrained = _exported_gpt2(tmp_path)
+    module = _setup_for_fit(GPTLitModule(**{**PRETRAINED, "context_length": 8}, peak_flops=1.0,
+                                         init_from=str(tmp_path / "gpt2")))
+    idx = torch.randint(0, 50257, (2, 8))
+    torch.testing.assert_close(module.model(idx), pretrained(idx))
+
+
+def test_init_from_is_skipped_when_resuming(tmp_path):
+    _exported_gpt2(tmp_path)
+    module = GPTLitModule(**PRETRAINED, peak_flops=1.0, init_from=str(tmp_path / "gpt2"))
+    before = {k: v.clone() for k, v in module.model.state_dict().items()}
+    _setup_for_fit(module, ckpt_path="runs/x/checkpoints/last.ckpt")
+    assert all(torch.equal(before[k], v) for k, v in module.model.state_dict().items())
+
+
+def test_init_from_a_different_shape_names_the_fields_and_the_fix(tmp_path):
+    _exported_gpt2(tmp_path)
+    module = GPTLitModule(**{**PRETRAINED, "n_layers": 3, "context_length": 64},
+                          peak_flops=1.0, init_from=str(tmp_path / "gpt2"))
+    with pytest.raises(ValueError, match=r"n_layers=2, context_length=32\); set "
+                                         r"--model.n_layers 2 --model.context_length 32"):
+        _setup_for_fit(module)
