@@ -334,6 +334,33 @@ def test_cached_incremental_attention_equals_full_attention(kwargs, use_sdpa):
     torch.testing.assert_close(torch.cat(pieces, dim=1), mha(x), atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_appends_into_buffers_that_grow_by_doubling():
+    cache = KVCache()
+    steps = [torch.randn(2, 1, 1, 4) for _ in range(300)]
+    reallocations, pointer = 0, None
+    with torch.no_grad():
+        for step in steps:
+            keys, values = cache.update(step, -step)
+            if cache._keys.data_ptr() != pointer:
+                reallocations, pointer = reallocations + 1, cache._keys.data_ptr()
+    expected = torch.cat(steps, dim=2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert len(cache) == 300 and cache.keys.shape == (2, 1, 300, 4)
+    # first token, then capacities 64, 128, 256, 512: not one copy per token
+    assert reallocations <= 5
+
+
+def test_kv_cache_with_autograd_concatenates_so_gradients_reach_earlier_keys():
+    first = torch.randn(1, 1, 3, 4, requires_grad=True)
+    second = torch.randn(1, 1, 1, 4, requires_grad=True)
+    cache = KVCache()
+    cache.update(first, first)
+    keys, values = cache.update(second, second)
+    (keys.sum() + 2 * values.sum()).backward()
+    assert torch.equal(first.grad, torch.full_like(first, 3.0))
+    assert torch.equal(second.grad, torch.full_like(second, 3.0))
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 
