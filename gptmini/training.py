@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
@@ -80,6 +80,40 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
     return tokenizer.decode(out[0].tolist())
 
 
+class _ShortMetrics:
+    """Progress bar metrics under short names, each in a format that shows its digits."""
+
+    SHORT = {"train/loss": ("loss", "{:.3f}"), "train/lr": ("lr", "{:.2e}"),
+             "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}")}
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        for key, (short, fmt) in self.SHORT.items():
+            if key in metrics:
+                metrics[short] = fmt.format(float(metrics.pop(key)))
+        return metrics
+
+
+class RichBar(_ShortMetrics, RichProgressBar):
+    def _get_train_description(self, current_epoch: int) -> str:
+        # Runs are bounded by max_steps; Lightning's "Epoch 0/-2" would mean max_epochs=-1.
+        return f"Epoch {current_epoch}"
+
+
+class TQDMBar(_ShortMetrics, TQDMProgressBar):
+    pass
+
+
+def progress_bar() -> Callback:
+    try:
+        import rich  # noqa: F401  (Lightning's own choice: rich when it is installed)
+
+        return RichBar()
+    except ImportError:
+        return TQDMBar()
+
+
 class GPTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.add_argument("--run_name", type=str, default="shakespeare-cpu",
@@ -114,6 +148,8 @@ class GPTCLI(LightningCLI):
                             enable_version_counter=False),
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
         ]
+        if cfg.trainer.enable_progress_bar is not False:
+            self.trainer_defaults["callbacks"].append(progress_bar())
         if cfg.attention_every > 0:
             from gptmini.visualize import AttentionMapCallback
 

@@ -309,3 +309,14 @@ def test_corpus_too_short_for_the_context(tmp_path, capsys):
     assert main(tiny_args(tmp_path, short)) == 1
     err = capsys.readouterr().err
     assert "short.txt" in err and "tokens" in err
+
+
+def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
+    from types import SimpleNamespace
+
+    from gptmini.training import progress_bar
+
+    trainer = SimpleNamespace(loggers=[], progress_bar_metrics={
+        "train/loss": 5.4321, "train/lr": 1e-4, "train/tokens_per_sec": 1180.4, "val/loss": 5.5})
+    shown = progress_bar().get_metrics(trainer, None)
+    assert shown == {"loss": "5.432", "lr": "1.00e-04", "tok/s": "1180", "val_loss": "5.500"}
