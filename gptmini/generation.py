@@ -373,6 +373,8 @@ def _cpu_linears(model: nn.Module) -> list[nn.Linear]:
     """The plain float32 CPU linears of `model` that oneDNN can run, if it is usable."""
     if not (USE_ONEDNN_LINEAR and _onednn_linear_ok()):
         return []
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return []  # torch.compile'd in place: inductor picks its own kernels
     return [
         m for m in model.modules()
         if type(m) is nn.Linear

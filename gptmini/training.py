@@ -72,7 +72,8 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
     was_training = model.training
     model.eval()
     devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    # A compiled model would recompile for every new length; sampling runs it eagerly.
+    with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
         torch.manual_seed(seed)
         out = generate(model, idx, max_new_tokens, model.cfg.context_length,
                        temperature=0.8, top_k=50)

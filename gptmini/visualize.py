@@ -467,7 +467,8 @@ class AttentionMapCallback(Callback):
         model = pl_module.model
         layer = self.layer % model.cfg.n_layers
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        # Eager even when the model is compiled: no recompiling for the prompt's length.
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
             weights, labels = attention_weights(model, tokenizer, self.prompt, layer)
         out = Path(trainer.log_dir or trainer.default_root_dir) / "attention" / f"step_{step}.png"
         return plot_attention(

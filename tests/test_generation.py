@@ -407,3 +407,15 @@ def test_generate_py_script_end_to_end(checkpoint):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
+
+
+@pytest.mark.slow
+def test_a_model_compiled_in_place_generates_what_it_does_eagerly():
+    model = make_model()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    eager = generate(model, prompt, 4, use_cache=True)
+    model.compile()  # as GPTLitModule(compile=True) does
+    try:
+        torch.testing.assert_close(generate(model, prompt, 4, use_cache=True), eager)
+    finally:
+        torch.compiler.reset()

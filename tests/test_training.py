@@ -120,6 +120,21 @@ def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resum
 
 
 @pytest.mark.slow
+def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corpus, capsys):
+    pytest.importorskip("matplotlib")
+    args = tiny_args(tmp_path, corpus, "--model.compile", "true", "--trainer.max_steps", "6",
+                     "--trainer.val_check_interval", "3", "--sample_every", "3",
+                     "--attention_every", "3")
+    assert main(args) == 0
+    run = tmp_path / "runs" / "tiny"
+    assert len(column(read_metrics(run), "train/loss")) == 6
+    assert "[step 6]" in capsys.readouterr().out  # the sample of text
+    assert sorted(p.name for p in run.glob("logs/version_0/attention/*.png")) == [
+        "step_3.png", "step_6.png"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     """12 steps + resume + 12 steps gives the weights of 24 steps straight.
 
