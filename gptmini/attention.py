@@ -127,6 +127,10 @@ class KVCache:
             setattr(self, name, new)
 
 
+def _drop_book_mask(module, state_dict, prefix, *args):
+    state_dict.pop(prefix + "mask", None)
+
+
 class MultiHeadAttention(nn.Module):
     """Causal multi-head self-attention, constructed exactly as the book's Listing 3.5.
 
@@ -190,7 +194,9 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         # The book registers its triangular mask as a buffer; here masks are built per call
         # from the functions above, so they also cover caches, windows and padding, and
-        # checkpoints do not carry a context_length^2 tensor per layer.
+        # checkpoints do not carry a context_length^2 tensor per layer. The book's state
+        # dicts still load: their "mask" entry is dropped, as it is fixed by context_length.
+        self.register_load_state_dict_pre_hook(_drop_book_mask)
 
     def forward(
         self,

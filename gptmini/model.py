@@ -159,6 +159,17 @@ class TransformerBlock(nn.Module):
         return (x, weights) if return_weights else x
 
 
+def _rename_book_norms(module, state_dict, prefix, *args):
+    """Load the book's chapter 4/5 GPTModel state dicts (`torch.save(model.state_dict())`):
+    its LayerNorm names its parameters `scale` and `shift` where nn.LayerNorm has `weight`
+    and `bias`; everything else has the same name (the attention masks are dropped by
+    MultiHeadAttention's own hook)."""
+    for key in [k for k in state_dict if k.startswith(prefix) and "norm" in k]:
+        for book, ours in ((".scale", ".weight"), (".shift", ".bias")):
+            if key.endswith(book):
+                state_dict[key.removesuffix(book) + ours] = state_dict.pop(key)
+
+
 class GPTModel(nn.Module):
     """GPT-2 style decoder-only language model."""
 
@@ -179,6 +190,7 @@ class GPTModel(nn.Module):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_weights:
             self.out_head.weight = self.tok_emb.weight
+        self.register_load_state_dict_pre_hook(_rename_book_norms)
 
     @staticmethod
     def _init_weights(module: nn.Module):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gptmini.attention import MultiHeadAttention
 from gptmini.model import (
     GPT_CONFIG_124M,
     PRESETS,
@@ -150,3 +151,42 @@ def test_gpt2_initialization_scales_residual_projections(tiny_config):
     q_std = model.trf_blocks[0].att.W_query.weight.std().item()
     assert abs(q_std - 0.02) < 0.002
     assert abs(proj_std - 0.02 / math.sqrt(2 * 2)) < 0.002
+
+
+def _in_the_books_layout(model: GPTModel) -> dict:
+    """`model`'s state dict as the book's chapter 4 GPTModel names it: LayerNorm parameters
+    `scale`/`shift`, and every attention module's registered causal `mask` buffer."""
+    book = {}
+    for key, value in model.state_dict().items():
+        if "norm" in key:
+            key = key.replace(".weight", ".scale").replace(".bias", ".shift")
+        book[key] = value.clone()
+    n = model.cfg.context_length
+    for i in range(model.cfg.n_layers):
+        book[f"trf_blocks.{i}.att.mask"] = torch.triu(torch.ones(n, n), diagonal=1)
+    return book
+
+
+def test_a_state_dict_saved_by_the_books_gptmodel_loads_strictly():
+    cfg = GPTConfig(vocab_size=97, context_length=12, emb_dim=16, n_heads=2, n_layers=2,
+                    drop_rate=0.0, qkv_bias=True)
+    torch.manual_seed(0)
+    trained = GPTModel(cfg).eval()
+    with torch.no_grad():  # LayerNorm gains and biases away from their 1/0 defaults
+        for name, p in trained.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p))
+    fresh = GPTModel(cfg).eval()
+    fresh.load_state_dict(_in_the_books_layout(trained), strict=True)
+    idx = torch.randint(0, 97, (2, 12))
+    assert torch.equal(fresh(idx), trained(idx))
+
+
+def test_multihead_attention_loads_a_state_dict_with_the_books_mask_buffer():
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(4, 4, 6, 0.0, num_heads=2)
+    book_state = {**ours.state_dict(), "mask": torch.triu(torch.ones(6, 6), diagonal=1)}
+    other = MultiHeadAttention(4, 4, 6, 0.0, num_heads=2)
+    other.load_state_dict(book_state, strict=True)
+    x = torch.randn(1, 6, 4)
+    assert torch.equal(other(x), ours(x))
