@@ -64,6 +64,7 @@ JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 # datasets decompresses these on the fly; the UTF-8 check below opens them the same way.
 COMPRESSION_SUFFIXES = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_KNOWN = ", ".join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)  # for messages
 CACHE_VERSION = 1
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -182,30 +183,32 @@ def resolve_source(
     )
 
 
-def _has_corpus_suffix(path: Path) -> bool:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes = suffixes[:-1]
-    return bool(suffixes) and suffixes[-1] in TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
-
-
-def _builder(path: Path) -> str:
-    """The `datasets` builder that reads `path`: "text", "json" or "parquet"."""
+def _format_of(path: Path) -> str | None:
+    """"text", "json" or "parquet" by the extension under any compression one; else None."""
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
         suffixes = suffixes[:-1]
     last = suffixes[-1] if suffixes else ""
-    if last in TEXT_SUFFIXES:
-        return "text"
-    if last in JSON_SUFFIXES:
-        return "json"
-    if last in PARQUET_SUFFIXES:
-        return "parquet"
-    known = ", ".join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)
-    raise ValueError(
-        f"corpus file {path} has an unsupported extension; gptmini reads {known} "
-        f"(text formats also as {', '.join(COMPRESSION_SUFFIXES)}). Rename it, e.g. to .txt"
-    )
+    for builder, known in (("text", TEXT_SUFFIXES), ("json", JSON_SUFFIXES),
+                           ("parquet", PARQUET_SUFFIXES)):
+        if last in known:
+            return builder
+    return None
+
+
+def _has_corpus_suffix(path: Path) -> bool:
+    return _format_of(path) is not None
+
+
+def _builder(path: Path) -> str:
+    """The `datasets` builder that reads `path`: "text", "json" or "parquet"."""
+    builder = _format_of(path)
+    if builder is None:
+        raise ValueError(
+            f"corpus file {path} has an unsupported extension; gptmini reads {_KNOWN} "
+            f"(text formats also as {', '.join(COMPRESSION_SUFFIXES)}). Rename it, e.g. to .txt"
+        )
+    return builder
 
 
 def _corpus_files_in(directory: Path) -> tuple[Path, ...]:
@@ -217,9 +220,8 @@ def _corpus_files_in(directory: Path) -> tuple[Path, ...]:
         )
     )
     if not files:
-        known = ", ".join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)
         raise FileNotFoundError(
-            f"corpus directory {directory} holds no corpus files (looked for {known}, "
+            f"corpus directory {directory} holds no corpus files (looked for {_KNOWN}, "
             "optionally .gz/.bz2/.xz). Point source at the files, or add some"
         )
     return files
@@ -417,17 +419,21 @@ def _is_val(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
+def _encode_documents(
+    texts: list[str | None], tokenizer: str, dtype: str, num_threads: int
+) -> list[np.ndarray]:
+    enc = get_tokenizer(tokenizer)
+    encoded = enc.encode_ordinary_batch([t or "" for t in texts], num_threads=num_threads)
+    # Each non-empty document ends in <|endoftext|>; the file's last one is cut off after,
+    # which leaves the token exactly *between* documents.
+    return [np.asarray(doc + [enc.eot_token] if doc else [], dtype=dtype) for doc in encoded]
+
+
 def _encode_batch(
     batch: dict[str, list], indices: list[int], tokenizer: str, val_fraction: float, dtype: str
 ) -> dict[str, list]:
-    enc = get_tokenizer(tokenizer)
-    texts = [t or "" for t in batch["text"]]
     # One thread per process: num_proc alone says how many cores tokenizing takes.
-    encoded = enc.encode_ordinary_batch(texts, num_threads=1)
-    eot = enc.eot_token
-    # Each non-empty document ends in <|endoftext|>; the file's last one is cut off after,
-    # which leaves the token exactly *between* documents.
-    ids = [np.asarray(doc + [eot] if doc else [], dtype=dtype) for doc in encoded]
+    ids = _encode_documents(batch["text"], tokenizer, dtype, num_threads=1)
     return {"ids": ids, "val": [_is_val(i, val_fraction) for i in indices]}
 
 
@@ -560,14 +566,11 @@ def tokenize_corpus(
 
 
 def _tokenize_stream(docs, args: dict, num_threads: int, train_f, val_f) -> int:
-    enc = get_tokenizer(args["tokenizer"])
     index = 0
     for batch in docs.iter(batch_size=256):
-        texts = [t or "" for t in batch["text"]]
-        encoded = enc.encode_ordinary_batch(texts, num_threads=num_threads)
-        arrays = [np.asarray(d + [enc.eot_token] if d else [], args["dtype"]) for d in encoded]
-        val = np.array([_is_val(index + i, args["val_fraction"]) for i in range(len(texts))])
-        index += len(texts)
+        arrays = _encode_documents(batch["text"], args["tokenizer"], args["dtype"], num_threads)
+        val = np.array([_is_val(index + i, args["val_fraction"]) for i in range(len(arrays))])
+        index += len(arrays)
         lengths = np.array([len(a) for a in arrays])
         _write_docs(np.concatenate(arrays), lengths, val, train_f, val_f)
     return index
