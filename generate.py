@@ -2,10 +2,10 @@
 
     python generate.py --checkpoint runs/.../last.ckpt --prompt "ROMEO:" --stream
 
-All the logic is in `gptmini.generation.main`; `python generate.py -h` lists the options.
+All the logic is in `gptmini.cli.generate_main`; `python generate.py -h` lists the options.
 """
 
-from gptmini.generation import main
+from gptmini.cli import generate_main as main
 
 if __name__ == "__main__":
     raise SystemExit(main())

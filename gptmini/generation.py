@@ -16,18 +16,14 @@ Batches of prompts with different lengths are left-padded (`left_pad`) and passe
 `attention_mask`; the model counts positions from each row's first real token, so every row
 generates what its prompt generates alone.
 
-`main` is the command line behind `generate.py`.
 """
 
-import argparse
 import codecs
 import functools
 import math
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +34,6 @@ __all__ = [
     "left_pad",
     "sample_next_token",
     "stream_text",
-    "build_parser",
-    "main",
 ]
 
 
@@ -461,109 +455,3 @@ def stream_text(
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `generate.py` command line."""
-    parser = argparse.ArgumentParser(
-        prog="generate.py",
-        description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
-    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
-    text = parser.add_mutually_exclusive_group()
-    text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
-    text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
-    parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
-    parser.add_argument("--top_p", type=float, default=None, help="nucleus threshold in (0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--stream", action="store_true", help="print tokens as they come")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `generate.py` with `argv` (default `sys.argv[1:]`); print the samples.
-
-    Samples are drawn one after another from one generator, so the output is the same
-    with and without `--stream`. Bad arguments exit with status 2 and a message.
-    """
-    # Imported here so that `import gptmini.generation` stays torch-only.
-    from gptmini.checkpoint import load_checkpoint
-    from gptmini.convert import load_hf
-    from gptmini.tokenizer import get_tokenizer
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
-    try:
-        _check_sampling(args.temperature, top_k, args.top_p)
-        if args.max_new_tokens < 0 or args.num_samples < 1:
-            raise ValueError("--max_new_tokens must be >= 0 and --num_samples >= 1")
-        device = _resolve_device(args.device)
-        if args.prompt_file is not None:
-            if not args.prompt_file.is_file():
-                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
-            prompt = args.prompt_file.read_text(encoding="utf-8")
-        else:
-            prompt = args.prompt
-        if args.checkpoint is not None:
-            model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location=device)
-        else:
-            model, tokenizer_name = load_hf(args.hf).to(device), "gpt2"
-        tokenizer = get_tokenizer(tokenizer_name)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        parser.error(str(err))
-
-    generator = None
-    if args.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-    out = sys.stdout
-    for i in range(args.num_samples):
-        if args.num_samples > 1:
-            out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
-        out.write(prompt)
-        out.flush()
-        pieces = stream_text(
-            model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=top_k, top_p=args.top_p, generator=generator,
-        )
-        if args.stream:
-            for piece in pieces:
-                out.write(piece)
-                out.flush()
-        else:
-            out.write("".join(pieces))
-        out.write("\n")
-        out.flush()
-    return 0
-
-
-def _resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"--device {name!r} is not a device name ({err}); try cpu") from None
-    if device.type == "cpu":
-        return device
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (device.index or 0) >= count:
-            raise ValueError(
-                f"--device {name} is not available: this machine has {count} CUDA device(s) "
-                f"(torch {torch.__version__}); use --device cpu"
-            )
-        return device
-    if device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"--device {name} is not available on this machine; use --device cpu")
-        return device
-    try:
-        torch.empty(1, device=device)
-    except Exception as err:  # backends report missing devices with different types
-        raise ValueError(f"--device {name} is not available ({err}); use --device cpu") from None
-    return device

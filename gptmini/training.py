@@ -16,12 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
+from gptmini.callbacks import AttentionMapCallback, SampleCallback, progress_bar
 from gptmini.data import GPTDataModule
 from gptmini.lit_module import GPTLitModule
 
@@ -36,83 +36,6 @@ TRAINER_DEFAULTS = {
     "use_distributed_sampler": False,  # GPTDataModule shards windows across ranks itself
     "default_root_dir": "runs",
 }
-
-
-class SampleCallback(Callback):
-    """Every `every_n_steps`, continue a fixed prompt and log the text.
-
-    Printed to the console, and added to a wandb table when wandb logs the run. Sampling
-    runs under a forked random generator, so it never changes the training run's dropout.
-    """
-
-    def __init__(self, every_n_steps: int = 200, prompt: str = "ROMEO:", max_new_tokens: int = 40):
-        self.every_n_steps = every_n_steps
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        step = trainer.global_step
-        if self.every_n_steps <= 0 or step % self.every_n_steps or not trainer.is_global_zero:
-            return
-        text = sample_text(pl_module, self.prompt, self.max_new_tokens)
-        print(f"\n[step {step}] {text!r}", flush=True)
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_text(key="samples", columns=["step", "text"], data=[[step, text]])
-
-
-def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
-    from gptmini.generation import generate
-    from gptmini.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
-    model = pl_module.model
-    ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
-    idx = torch.tensor([ids], device=pl_module.device)
-    was_training = model.training
-    model.eval()
-    devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-    # A compiled model would recompile for every new length; sampling runs it eagerly.
-    with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
-        torch.manual_seed(seed)
-        out = generate(model, idx, max_new_tokens, model.cfg.context_length,
-                       temperature=0.8, top_k=50)
-    model.train(was_training)
-    return tokenizer.decode(out[0].tolist())
-
-
-class _ShortMetrics:
-    """Progress bar metrics under short names, each in a format that shows its digits."""
-
-    SHORT = {"train/loss": ("loss", "{:.3f}"), "train/lr": ("lr", "{:.2e}"),
-             "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}")}
-
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        for key, (short, fmt) in self.SHORT.items():
-            if key in metrics:
-                metrics[short] = fmt.format(float(metrics.pop(key)))
-        return metrics
-
-
-class RichBar(_ShortMetrics, RichProgressBar):
-    def _get_train_description(self, current_epoch: int) -> str:
-        # Runs are bounded by max_steps; Lightning's "Epoch 0/-2" would mean max_epochs=-1.
-        return f"Epoch {current_epoch}"
-
-
-class TQDMBar(_ShortMetrics, TQDMProgressBar):
-    pass
-
-
-def progress_bar() -> Callback:
-    try:
-        import rich  # noqa: F401  (Lightning's own choice: rich when it is installed)
-
-        return RichBar()
-    except ImportError:
-        return TQDMBar()
 
 
 class GPTCLI(LightningCLI):
@@ -152,8 +75,6 @@ class GPTCLI(LightningCLI):
         if cfg.trainer.enable_progress_bar is not False:
             self.trainer_defaults["callbacks"].append(progress_bar())
         if cfg.attention_every > 0:
-            from gptmini.visualize import AttentionMapCallback
-
             self.trainer_defaults["callbacks"].append(AttentionMapCallback(cfg.attention_every))
         return super().instantiate_trainer(**kwargs)
 

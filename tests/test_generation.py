@@ -1,23 +1,23 @@
-import subprocess
-import sys
-from pathlib import Path
+"""Sampling, generate() and the KV cache: the book's function and what it grew into."""
+
+
+
 
 import pytest
 import torch
+from helpers import make_model
 
 import gptmini.generation as generation
 from gptmini.generation import (
     generate,
     generate_stream,
     left_pad,
-    main,
     sample_next_token,
     stream_text,
 )
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 ARCHS = {
     "mha": {},
     "gqa": {"n_heads": 4, "n_kv_heads": 2},
@@ -25,39 +25,9 @@ ARCHS = {
     "window": {"window_size": 4},
 }
 
-
-def make_model(**overrides) -> GPTModel:
-    cfg = {"vocab_size": 64, "context_length": 16, "emb_dim": 16, "n_heads": 2,
-           "n_layers": 2, "drop_rate": 0.0, **overrides}
-    return GPTModel(GPTConfig(**cfg)).eval()
-
-
 @pytest.fixture
 def model() -> GPTModel:
     return make_model()
-
-
-def save_checkpoint(model: GPTModel, path: Path, tokenizer: str = "gpt2") -> Path:
-    """What Lightning writes for the training module (see gptmini.checkpoint)."""
-    torch.save(
-        {
-            "epoch": 0,
-            "global_step": 1,
-            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            "hyper_parameters": {**model.cfg.to_dict(), "tokenizer": tokenizer,
-                                 "learning_rate": 1e-3},
-            "optimizer_states": [],
-            "lr_schedulers": [],
-            "loops": {},
-            "callbacks": {},
-        },
-        path,
-    )
-    return path
-
-
-# --- the book's function -----------------------------------------------------------------
-
 
 def test_book_signature_runs_positionally(model):
     idx = torch.randint(0, 64, (1, 6))
@@ -67,7 +37,6 @@ def test_book_signature_runs_positionally(model):
     sampled = generate(model, idx, 5, 16, 1.4, 25)  # temperature, top_k as in chapter 5
     torch.manual_seed(123)
     assert torch.equal(sampled, generate(model, idx, 5, 16, 1.4, 25))
-
 
 def test_book_generate_works_with_any_logits_module():
     class Bigram(torch.nn.Module):  # no cfg, no cache, no mask: the book's minimal contract
@@ -81,14 +50,9 @@ def test_book_generate_works_with_any_logits_module():
     out = generate(Bigram().eval(), torch.tensor([[1, 2]]), 4, context_size=3)
     assert out.shape == (1, 6)
 
-
 def test_zero_new_tokens_returns_the_prompt(model):
     idx = torch.randint(0, 64, (2, 3))
     assert torch.equal(generate(model, idx, 0), idx)
-
-
-# --- KV cache equals recompute -----------------------------------------------------------
-
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_cache_equals_without_past_context_length(arch):
@@ -100,7 +64,6 @@ def test_greedy_with_cache_equals_without_past_context_length(arch):
     assert cached.shape == (2, 45)
     assert torch.equal(cached, recompute)
 
-
 @pytest.mark.parametrize("arch", ["mha", "window"])
 def test_cache_equals_recompute_with_a_smaller_context_size_and_long_prompt(arch):
     model = make_model(**ARCHS[arch])
@@ -111,7 +74,6 @@ def test_cache_equals_recompute_with_a_smaller_context_size_and_long_prompt(arch
             generate(model, idx, 12, context_size),
         )
 
-
 def test_cache_prefills_once_then_feeds_one_token_then_slides(model):
     lengths = []
     model.register_forward_pre_hook(lambda _m, args: lengths.append(args[0].shape[1]))
@@ -120,12 +82,10 @@ def test_cache_prefills_once_then_feeds_one_token_then_slides(model):
     # recomputed at every step.
     assert lengths == [5] + [1] * 11 + [16] * 2
 
-
 def test_cache_grows_past_its_first_buffer():
     model = make_model(context_length=160)
     idx = torch.randint(0, 64, (1, 3))  # 3 + 150 tokens: the cache buffer doubles twice
     assert torch.equal(generate(model, idx, 150, use_cache=True), generate(model, idx, 150))
-
 
 def test_sampling_with_cache_equals_without(model):
     idx = torch.randint(0, 64, (2, 4))
@@ -134,13 +94,11 @@ def test_sampling_with_cache_equals_without(model):
         generate(model, idx, 30, use_cache=True, **kwargs), generate(model, idx, 30, **kwargs)
     )
 
-
 def test_onednn_linears_give_the_same_tokens_as_torch_default(model, monkeypatch):
     idx = torch.randint(0, 64, (2, 4))
     fast = generate(model, idx, 20, use_cache=True)
     monkeypatch.setattr(generation, "USE_ONEDNN_LINEAR", False)
     assert torch.equal(fast, generate(model, idx, 20, use_cache=True))
-
 
 def test_generation_leaves_the_model_as_it_was(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -153,15 +111,10 @@ def test_generation_leaves_the_model_as_it_was(model):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not model.training
 
-
 def test_warns_when_the_model_is_training(model):
     model.train()
     with pytest.warns(UserWarning, match="model.eval"):
         generate(model, torch.zeros(1, 1, dtype=torch.long), 2)
-
-
-# --- batched prompts ---------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -176,22 +129,16 @@ def test_batched_left_padded_prompts_equal_one_by_one(arch, use_cache):
         assert torch.equal(row[idx.shape[1]:], alone[len(prompt):])
         assert torch.equal(row[-14 - len(prompt):-14], prompt)
 
-
 def test_left_pad_layout():
     idx, mask = left_pad([[5, 6], [7]], pad_id=0)
     assert idx.tolist() == [[5, 6], [0, 7]]
     assert mask.tolist() == [[1, 1], [0, 1]]
-
-
-# --- sampling ----------------------------------------------------------------------------
-
 
 def test_top_k_1_equals_greedy(model):
     idx = torch.randint(0, 64, (3, 4))
     greedy = generate(model, idx, 15, use_cache=True)
     assert torch.equal(generate(model, idx, 15, temperature=1.5, top_k=1, seed=0), greedy)
     assert torch.equal(generate(model, idx, 15, temperature=1.5, top_p=1e-6, seed=0), greedy)
-
 
 def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
     idx = torch.randint(0, 64, (2, 4))
@@ -201,7 +148,6 @@ def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.equal(torch.random.get_rng_state(), state)
 
-
 def test_same_seed_repeats_and_different_seeds_differ(model):
     idx = torch.randint(0, 64, (1, 4))
     kwargs = {"temperature": 1.0, "use_cache": True}
@@ -210,7 +156,6 @@ def test_same_seed_repeats_and_different_seeds_differ(model):
     assert not torch.equal(a, generate(model, idx, 30, seed=12, **kwargs))
     gen = torch.Generator().manual_seed(11)
     assert torch.equal(a, generate(model, idx, 30, generator=gen, **kwargs))
-
 
 def test_several_samples_per_prompt(model):
     idx = torch.randint(0, 64, (2, 3))
@@ -222,7 +167,6 @@ def test_several_samples_per_prompt(model):
     greedy = generate(model, idx, 5, num_samples=2)
     assert torch.equal(greedy[0], greedy[1])
 
-
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     draws = {int(sample_next_token(logits, temperature=1.0, top_p=0.75,
@@ -230,13 +174,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
              for s in range(200)}
     assert draws == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
 
-
 def test_top_k_larger_than_vocab_is_fine(model):
     generate(model, torch.zeros(1, 1, dtype=torch.long), 3, temperature=1.0, top_k=1000)
-
-
-# --- eos ---------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_eos_stops_like_the_book(model, use_cache):
@@ -246,7 +185,6 @@ def test_eos_stops_like_the_book(model, use_cache):
     first = int((full[0, 4:] == eos).nonzero()[0])
     out = generate(model, idx, 12, eos_id=eos, use_cache=use_cache)
     assert torch.equal(out, full[:, : 4 + first])  # the eos itself is not appended
-
 
 def test_eos_in_a_batch_pads_finished_rows_until_all_stop(model):
     prompts = [torch.randint(0, 64, (n,)) for n in (2, 5)]
@@ -261,10 +199,6 @@ def test_eos_in_a_batch_pads_finished_rows_until_all_stop(model):
     stop = int(hits[0]) if len(hits) else 10
     assert new.shape[1] == stop and torch.equal(new[1], row1[:stop])
 
-
-# --- streaming ---------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stream_yields_what_generate_returns(model, use_cache):
     idx, mask = left_pad([torch.randint(0, 64, (n,)) for n in (3, 6)])
@@ -275,7 +209,6 @@ def test_stream_yields_what_generate_returns(model, use_cache):
     out = generate(model, idx, 12, **kwargs)
     assert torch.equal(torch.stack(steps, dim=1), out[:, idx.shape[1]:])
 
-
 def test_stream_text_decodes_what_generate_returns():
     tok = get_tokenizer("gpt2")
     model = make_model(vocab_size=tok.n_vocab, context_length=32)
@@ -283,10 +216,6 @@ def test_stream_text_decodes_what_generate_returns():
     ids = tok.encode("ROMEO:")
     out = generate(model, torch.tensor([ids]), 12)
     assert "".join(pieces) == tok.decode(out[0, len(ids):].tolist())
-
-
-# --- bad input ---------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
@@ -311,7 +240,6 @@ def test_bad_input_names_the_argument_and_the_fix(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate_stream(model, torch.zeros(1, 2, dtype=torch.long), **kwargs)  # no next()
 
-
 def test_bad_prompts_and_masks(model):
     with pytest.raises(ValueError, match=r"unsqueeze\(0\)"):
         generate(model, torch.zeros(4, dtype=torch.long), 2)
@@ -324,90 +252,6 @@ def test_bad_prompts_and_masks(model):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, attention_mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="at least one token"):
         left_pad([[1], []])
-
-
-# --- generate.py -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def checkpoint(tmp_path) -> Path:
-    model = make_model(vocab_size=50257, context_length=32)
-    return save_checkpoint(model, tmp_path / "tiny.ckpt")
-
-
-def run_main(capsys, *argv) -> str:
-    assert main([str(a) for a in argv]) == 0
-    return capsys.readouterr().out
-
-
-def test_cli_greedy_continues_the_prompt(checkpoint, capsys):
-    out = run_main(capsys, "--checkpoint", checkpoint, "--prompt", "ROMEO:",
-                   "--max_new_tokens", 8, "--temperature", 0)
-    model = make_model(vocab_size=50257, context_length=32)
-    model.load_state_dict({k[6:]: v for k, v in torch.load(checkpoint)["state_dict"].items()})
-    expected = "".join(stream_text(model, get_tokenizer("gpt2"), "ROMEO:", 8))
-    assert out == "ROMEO:" + expected + "\n"
-
-
-def test_cli_stream_prints_the_same_samples_as_no_stream(checkpoint, capsys):
-    argv = ["--checkpoint", checkpoint, "--prompt", "ROMEO:", "--max_new_tokens", 10,
-            "--seed", 5, "--num_samples", 2, "--top_p", 0.95]
-    printed = run_main(capsys, *argv)
-    assert printed == run_main(capsys, *argv, "--stream")
-    assert printed.count("--- sample") == 2
-    assert printed != run_main(capsys, *argv[:-4], "--seed", 6, *argv[-4:])
-
-
-def test_cli_empty_prompt_and_prompt_file(checkpoint, tmp_path, capsys):
-    assert run_main(capsys, "--checkpoint", checkpoint, "--max_new_tokens", 3, "--seed", 0)
-    prompt_file = tmp_path / "prompt.txt"
-    prompt_file.write_text("JULIET:")
-    out = run_main(capsys, "--checkpoint", checkpoint, "--prompt_file", prompt_file,
-                   "--max_new_tokens", 3)
-    assert out.startswith("JULIET:")
-
-
-def test_cli_reads_a_hugging_face_directory(tmp_path, capsys):
-    from gptmini.convert import export_hf
-
-    directory = export_hf(make_model(vocab_size=50257, context_length=32, qkv_bias=True,
-                                     tie_weights=True), tmp_path / "hf")
-    out = run_main(capsys, "--hf", directory, "--prompt", "Hi", "--max_new_tokens", 4)
-    assert out.startswith("Hi")
-
-
-@pytest.mark.parametrize(
-    ("extra", "match"),
-    [
-        (["--device", "cuda"], "not available"),
-        (["--device", "nonsense"], "not a device"),
-        (["--temperature", "-1"], "temperature"),
-        (["--top_p", "2"], "top_p"),
-        (["--prompt_file", "/no/such/prompt.txt"], "does not exist"),
-    ],
-)
-def test_cli_bad_arguments_exit_with_a_message(checkpoint, capsys, extra, match):
-    with pytest.raises(SystemExit) as exc:
-        main(["--checkpoint", str(checkpoint), *extra])
-    assert exc.value.code == 2
-    assert match in capsys.readouterr().err
-
-
-def test_cli_missing_checkpoint(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", str(tmp_path / "nope.ckpt")])
-    assert "no checkpoint at" in capsys.readouterr().err
-
-
-def test_generate_py_script_end_to_end(checkpoint):
-    result = subprocess.run(
-        [sys.executable, "generate.py", "--checkpoint", str(checkpoint), "--prompt", "ROMEO:",
-         "--max_new_tokens", "5"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ROMEO:")
-
 
 @pytest.mark.slow
 def test_a_model_compiled_in_place_generates_what_it_does_eagerly():

@@ -17,8 +17,8 @@ from gptmini.lit_module import GPTLitModule
 from gptmini.training import build_cli, fit, main
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 def write_corpus(path: Path, repeats: int) -> Path:
     """A small corpus with enough structure to learn in a few dozen steps."""
@@ -27,11 +27,9 @@ def write_corpus(path: Path, repeats: int) -> Path:
     path.write_text("\n".join(lines * repeats))
     return path
 
-
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus.txt", repeats=12)
-
 
 def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
     return [
@@ -61,7 +59,6 @@ def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
         *extra,
     ]
 
-
 def read_metrics(run: Path) -> list[dict]:
     rows = []
     for path in sorted(run.glob("logs/version_*/metrics.csv")):
@@ -69,10 +66,8 @@ def read_metrics(run: Path) -> list[dict]:
             rows += list(csv.DictReader(f))
     return rows
 
-
 def column(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
-
 
 @pytest.mark.slow
 def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
@@ -94,7 +89,6 @@ def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
     module = GPTLitModule(**hparams)
     module.load_state_dict(ckpt["state_dict"])
 
-
 class StopAt(Callback):
     """Simulates a run that dies after `step` optimizer steps."""
 
@@ -104,7 +98,6 @@ class StopAt(Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
-
 
 def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resume=False):
     args = tiny_args(tmp_path, corpus, "--run_name", name, "--model.drop_rate", "0.1",
@@ -117,7 +110,6 @@ def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resum
         cli.trainer.callbacks.append(StopAt(stop_at))
     fit(cli)
     return cli.trainer.global_step, {k: v.clone() for k, v in cli.model.state_dict().items()}
-
 
 @pytest.mark.slow
 def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corpus, capsys):
@@ -132,7 +124,6 @@ def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corp
     assert sorted(p.name for p in run.glob("logs/version_0/attention/*.png")) == [
         "step_3.png", "step_6.png"]
     assert (run / "checkpoints" / "last.ckpt").is_file()
-
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
@@ -156,7 +147,6 @@ def test_resume_continues_exactly(tmp_path):
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
 
-
 class PoisonAt(Callback):
     def __init__(self, step: int):
         self.step = step
@@ -165,7 +155,6 @@ class PoisonAt(Callback):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 pl_module.model.final_norm.weight.fill_(float("nan"))
-
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus):
@@ -177,7 +166,6 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["global_step"] == 7
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
-
 
 @pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, monkeypatch):
@@ -197,7 +185,6 @@ def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, 
     monkeypatch.undo()
     assert torch.load(last, weights_only=True)["global_step"] == 10
 
-
 @pytest.mark.slow
 def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, capsys):
     assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10")) == 0
@@ -205,7 +192,6 @@ def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, caps
     assert code == 1
     err = capsys.readouterr().err
     assert "different model (emb_dim=32 there, 64 here)" in err
-
 
 @pytest.mark.slow
 def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
@@ -221,7 +207,6 @@ def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
     assert "logging offline" in proc.stdout and "wandb sync" in proc.stdout
     assert list((tmp_path / "runs" / "tiny" / "wandb").glob("offline-run-*"))
     assert read_metrics(tmp_path / "runs" / "tiny")  # CSV keeps working beside wandb
-
 
 DDP_SCRIPT = """
 import json, sys
@@ -243,7 +228,6 @@ cli.trainer.callbacks.append(Record())
 fit(cli)
 """
 
-
 @pytest.mark.slow
 def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
     corpus = tmp_path / "numbers.txt"  # no two windows alike, unlike the repetitive corpus
@@ -263,7 +247,6 @@ def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
     assert len(ranks[0]["windows"]) == len(ranks[1]["windows"]) == 6 * 4
     assert not seen[0] & seen[1], "both ranks trained on the same windows"
 
-
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -276,7 +259,6 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     with torch.device("meta"):
         GPTLitModule(**{**printed["model"], "peak_flops": 1.0})
     GPTDataModule(**printed["data"], max_length=printed["model"]["context_length"])
-
 
 def test_no_arguments_means_the_cpu_default_config(capsys):
     with pytest.raises(SystemExit):
@@ -296,12 +278,10 @@ def test_no_arguments_means_the_cpu_default_config(capsys):
         assert default[key] == written[key], key
     assert default["data"]["source"] is None  # the embedded corpus
 
-
 def test_unknown_option_names_the_key_and_suggests_the_close_one():
     with pytest.raises(SystemExit, match=r"unknown option --model.n_layer; did you mean "
                                          r"--model.n_layers\?"):
         build_cli(["--model.n_layer", "2"])
-
 
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -317,21 +297,9 @@ def test_invalid_values_give_one_clear_line(tmp_path, corpus, capsys, args, mess
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
-
 def test_corpus_too_short_for_the_context(tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("To be or not to be.")
     assert main(tiny_args(tmp_path, short)) == 1
     err = capsys.readouterr().err
     assert "short.txt" in err and "tokens" in err
-
-
-def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
-    from types import SimpleNamespace
-
-    from gptmini.training import progress_bar
-
-    trainer = SimpleNamespace(loggers=[], progress_bar_metrics={
-        "train/loss": 5.4321, "train/lr": 1e-4, "train/tokens_per_sec": 1180.4, "val/loss": 5.5})
-    shown = progress_bar().get_metrics(trainer, None)
-    assert shown == {"loss": "5.432", "lr": "1.00e-04", "tok/s": "1180", "val_loss": "5.500"}

@@ -10,27 +10,20 @@ and columns of left padding all in place.
     plot_attention      the same, written to a PNG
     load_metrics        a run's CSV metrics, merged over the logger's version folders
     plot_curves         train/val loss and learning rate against steps, written to a PNG
-    AttentionMapCallback  a heatmap of a fixed prompt every N training steps
-    main                the command line behind `visualize.py`
 
 matplotlib is optional (`pip install 'gptmini[plot]'`). Figures are built with the
 object-oriented API and the Agg canvas, never pyplot, so plotting neither opens windows nor
 changes the backend of a notebook that imports this module.
 """
 
-import argparse
 import csv
 import math
-import os
 import re
-import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -38,12 +31,9 @@ if TYPE_CHECKING:
     from tiktoken import Encoding
 
 __all__ = [
-    "AttentionMapCallback",
     "attention_figure",
     "attention_weights",
-    "build_parser",
     "load_metrics",
-    "main",
     "plot_attention",
     "plot_curves",
     "token_labels",
@@ -384,189 +374,3 @@ def plot_curves(
     name = Path(run_dir).resolve()
     fig.suptitle(f"Training curves: {name.parent.name if name.is_file() else name.name}")
     return _save(fig, out)
-
-
-# --- during training -------------------------------------------------------------------
-
-
-class AttentionMapCallback(Callback):
-    """Every `every_n_steps` optimizer steps, draw all heads of one layer on a fixed prompt.
-
-    The PNG goes to `<log_dir>/attention/step_N.png` (the CSV logger's version folder, or
-    the trainer's default_root_dir), and to wandb as the image "attention" when a
-    `WandbLogger` is attached. Runs on global rank zero only, in eval mode without
-    gradients and under a forked random generator, so the training run is the same with
-    and without it. When the maps cannot be drawn (no matplotlib, a prompt longer than the
-    model's context, a layer out of range) it warns once and training goes on without them.
-
-    Args:
-        every_n_steps: optimizer steps between maps; 0 or less turns the callback off.
-        prompt: the text whose attention is drawn.
-        layer: the transformer block, negative counting from the last.
-    """
-
-    def __init__(
-        self,
-        every_n_steps: int = 500,
-        prompt: str = "ROMEO: But soft, what light",
-        layer: int = -1,
-    ):
-        self.every_n_steps = every_n_steps
-        self.prompt = prompt
-        self.layer = layer
-        self._disabled = every_n_steps <= 0
-        self._last_step: int | None = None
-
-    def _disable(self, reason: str):
-        warnings.warn(f"AttentionMapCallback: {reason}; no attention maps", stacklevel=2)
-        self._disabled = True
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
-        if self._disabled or not trainer.is_global_zero:
-            return
-        try:
-            _require_matplotlib()
-        except ImportError as err:
-            return self._disable(str(err))
-        from gptmini.tokenizer import get_tokenizer
-
-        cfg = pl_module.model.cfg
-        num_tokens = len(get_tokenizer(pl_module.hparams.tokenizer).encode(
-            self.prompt, allowed_special="all") or [0])
-        if num_tokens > cfg.context_length:
-            return self._disable(
-                f"the prompt is {num_tokens} tokens, longer than context_length "
-                f"{cfg.context_length}"
-            )
-        if not -cfg.n_layers <= self.layer < cfg.n_layers:
-            return self._disable(f"layer {self.layer} is out of range for {cfg.n_layers} layers")
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        step = trainer.global_step
-        if (
-            self._disabled
-            or step == 0  # with gradient accumulation, micro-batches before the first step
-            or step % self.every_n_steps
-            or step == self._last_step  # gradient accumulation: one map per optimizer step
-            or not trainer.is_global_zero
-        ):
-            return
-        self._last_step = step
-        path = self.draw(trainer, pl_module, step)
-        from lightning.pytorch.loggers import WandbLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image(key="attention", images=[str(path)], step=step)
-
-    def draw(self, trainer: Trainer, pl_module: LightningModule, step: int) -> Path:
-        """Compute and write the map of `step`; returns the PNG's path."""
-        from gptmini.tokenizer import get_tokenizer
-
-        tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
-        model = pl_module.model
-        layer = self.layer % model.cfg.n_layers
-        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-        # Eager even when the model is compiled: no recompiling for the prompt's length.
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
-            weights, labels = attention_weights(model, tokenizer, self.prompt, layer)
-        out = Path(trainer.log_dir or trainer.default_root_dir) / "attention" / f"step_{step}.png"
-        return plot_attention(
-            weights, labels, out, layer=layer, title=f"Step {step}: attention of layer {layer}"
-        )
-
-
-# --- command line ----------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `visualize.py` command line."""
-    parser = argparse.ArgumentParser(
-        prog="visualize.py", description="Draw attention maps and training curves as PNGs."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    att = commands.add_parser(
-        "attention", help="heatmap of one layer's attention weights on a prompt",
-        description="Heatmap of the attention weights a model gives a prompt's tokens.",
-    )
-    source = att.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
-    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
-    att.add_argument("--prompt", default="", help="text to look at; empty = <|endoftext|>")
-    att.add_argument("--layer", type=int, default=-1, help="layer from 0; -1 = the last")
-    heads = att.add_mutually_exclusive_group()
-    heads.add_argument("--head", type=int, default=0, help="head from 0 (default 0)")
-    heads.add_argument("--all_heads", action="store_true", help="a grid of every head")
-    att.add_argument("--left_pad", type=int, default=0,
-                     help="padding positions before the prompt, to see the padding mask")
-    att.add_argument("--out", type=Path, default=Path("attention.png"))
-    att.add_argument("--dpi", type=int, default=100)
-    att.add_argument("--device", default="cpu", help="cpu, cuda, mps, ...")
-
-    curves = commands.add_parser(
-        "curves", help="loss and learning rate of a training run",
-        description="Train/val loss and learning rate against steps, from the CSV logs.",
-    )
-    curves.add_argument("run_dir", type=Path, help="the run's folder, e.g. runs/shakespeare-cpu")
-    curves.add_argument("--out", type=Path, default=Path("curves.png"))
-    curves.add_argument("--dpi", type=int, default=100)
-    return parser
-
-
-def _load_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise ValueError(f"--device {args.device!r} is not a device name ({err})") from None
-    if args.checkpoint is not None:
-        from gptmini.checkpoint import load_checkpoint
-
-        model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location="cpu")
-    else:
-        from gptmini.convert import load_hf
-
-        model, tokenizer_name = load_hf(args.hf), "gpt2"
-    try:
-        model.to(device)
-    except (RuntimeError, AssertionError) as err:  # a build without CUDA asserts
-        raise ValueError(f"--device {args.device} is not available ({err}); use cpu") from None
-    return model, tokenizer_name
-
-
-def _attention_command(args: argparse.Namespace) -> str:
-    from gptmini.tokenizer import get_tokenizer
-
-    _require_matplotlib()  # before loading a model that cannot be drawn
-    model, tokenizer_name = _load_model(args)
-    head = None if args.all_heads else args.head
-    if head is not None:
-        _check_index("head", head, model.cfg.n_heads, "heads per layer")
-    layer = _check_index("layer", args.layer, model.cfg.n_layers, "layers")
-    weights, labels = attention_weights(
-        model, get_tokenizer(tokenizer_name), args.prompt, layer, left_pad=args.left_pad
-    )
-    out = plot_attention(weights, labels, args.out, layer=layer, head=head, dpi=args.dpi)
-    which = "all heads" if head is None else f"head {head % model.cfg.n_heads}"
-    return f"wrote {out} (layer {layer}, {which}, {len(labels)} tokens)"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `visualize.py` with `argv` (default `sys.argv[1:]`); returns the exit code.
-
-    Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
-    to see the traceback anyway.
-    """
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "attention":
-            message = _attention_command(args)
-        else:
-            message = f"wrote {plot_curves(args.run_dir, args.out, dpi=args.dpi)}"
-    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as err:
-        if os.environ.get("GPTMINI_TRACEBACK"):
-            raise
-        print(f"visualize.py {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    print(message)
-    return 0

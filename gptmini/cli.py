@@ -1,0 +1,218 @@
+"""The command lines behind generate.py and visualize.py (argparse mains)."""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gptmini.generation import _check_sampling, stream_text
+from gptmini.plots import (
+    _check_index,
+    _require_matplotlib,
+    attention_weights,
+    plot_attention,
+    plot_curves,
+)
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The `generate.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
+    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
+    text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
+    parser.add_argument("--top_p", type=float, default=None, help="nucleus threshold in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they come")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    return parser
+
+
+def generate_main(argv: Sequence[str] | None = None) -> int:
+    """Run `generate.py` with `argv` (default `sys.argv[1:]`); print the samples.
+
+    Samples are drawn one after another from one generator, so the output is the same
+    with and without `--stream`. Bad arguments exit with status 2 and a message.
+    """
+    # Imported here so that `import gptmini.generation` stays torch-only.
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.convert import load_hf
+    from gptmini.tokenizer import get_tokenizer
+
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
+    try:
+        _check_sampling(args.temperature, top_k, args.top_p)
+        if args.max_new_tokens < 0 or args.num_samples < 1:
+            raise ValueError("--max_new_tokens must be >= 0 and --num_samples >= 1")
+        device = _resolve_device(args.device)
+        if args.prompt_file is not None:
+            if not args.prompt_file.is_file():
+                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        else:
+            prompt = args.prompt
+        if args.checkpoint is not None:
+            model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location=device)
+        else:
+            model, tokenizer_name = load_hf(args.hf).to(device), "gpt2"
+        tokenizer = get_tokenizer(tokenizer_name)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        parser.error(str(err))
+
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = sys.stdout
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
+        out.write(prompt)
+        out.flush()
+        pieces = stream_text(
+            model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
+            top_k=top_k, top_p=args.top_p, generator=generator,
+        )
+        if args.stream:
+            for piece in pieces:
+                out.write(piece)
+                out.flush()
+        else:
+            out.write("".join(pieces))
+        out.write("\n")
+        out.flush()
+    return 0
+
+
+def _resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a device name ({err}); try cpu") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(
+                f"--device {name} is not available: this machine has {count} CUDA device(s) "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+        return device
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name} is not available on this machine; use --device cpu")
+        return device
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # backends report missing devices with different types
+        raise ValueError(f"--device {name} is not available ({err}); use --device cpu") from None
+    return device
+
+
+def visualize_parser() -> argparse.ArgumentParser:
+    """The `visualize.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="visualize.py", description="Draw attention maps and training curves as PNGs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    att = commands.add_parser(
+        "attention", help="heatmap of one layer's attention weights on a prompt",
+        description="Heatmap of the attention weights a model gives a prompt's tokens.",
+    )
+    source = att.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
+    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    att.add_argument("--prompt", default="", help="text to look at; empty = <|endoftext|>")
+    att.add_argument("--layer", type=int, default=-1, help="layer from 0; -1 = the last")
+    heads = att.add_mutually_exclusive_group()
+    heads.add_argument("--head", type=int, default=0, help="head from 0 (default 0)")
+    heads.add_argument("--all_heads", action="store_true", help="a grid of every head")
+    att.add_argument("--left_pad", type=int, default=0,
+                     help="padding positions before the prompt, to see the padding mask")
+    att.add_argument("--out", type=Path, default=Path("attention.png"))
+    att.add_argument("--dpi", type=int, default=100)
+    att.add_argument("--device", default="cpu", help="cpu, cuda, mps, ...")
+
+    curves = commands.add_parser(
+        "curves", help="loss and learning rate of a training run",
+        description="Train/val loss and learning rate against steps, from the CSV logs.",
+    )
+    curves.add_argument("run_dir", type=Path, help="the run's folder, e.g. runs/shakespeare-cpu")
+    curves.add_argument("--out", type=Path, default=Path("curves.png"))
+    curves.add_argument("--dpi", type=int, default=100)
+    return parser
+
+
+def _load_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {args.device!r} is not a device name ({err})") from None
+    if args.checkpoint is not None:
+        from gptmini.checkpoint import load_checkpoint
+
+        model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location="cpu")
+    else:
+        from gptmini.convert import load_hf
+
+        model, tokenizer_name = load_hf(args.hf), "gpt2"
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError) as err:  # a build without CUDA asserts
+        raise ValueError(f"--device {args.device} is not available ({err}); use cpu") from None
+    return model, tokenizer_name
+
+
+def _attention_command(args: argparse.Namespace) -> str:
+    from gptmini.tokenizer import get_tokenizer
+
+    _require_matplotlib()  # before loading a model that cannot be drawn
+    model, tokenizer_name = _load_model(args)
+    head = None if args.all_heads else args.head
+    if head is not None:
+        _check_index("head", head, model.cfg.n_heads, "heads per layer")
+    layer = _check_index("layer", args.layer, model.cfg.n_layers, "layers")
+    weights, labels = attention_weights(
+        model, get_tokenizer(tokenizer_name), args.prompt, layer, left_pad=args.left_pad
+    )
+    out = plot_attention(weights, labels, args.out, layer=layer, head=head, dpi=args.dpi)
+    which = "all heads" if head is None else f"head {head % model.cfg.n_heads}"
+    return f"wrote {out} (layer {layer}, {which}, {len(labels)} tokens)"
+
+
+def visualize_main(argv: Sequence[str] | None = None) -> int:
+    """Run `visualize.py` with `argv` (default `sys.argv[1:]`); returns the exit code.
+
+    Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
+    to see the traceback anyway.
+    """
+    args = visualize_parser().parse_args(argv)
+    try:
+        if args.command == "attention":
+            message = _attention_command(args)
+        else:
+            message = f"wrote {plot_curves(args.run_dir, args.out, dpi=args.dpi)}"
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as err:
+        if os.environ.get("GPTMINI_TRACEBACK"):
+            raise
+        print(f"visualize.py {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    print(message)
+    return 0

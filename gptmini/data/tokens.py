@@ -1,0 +1,241 @@
+"""The token cache: documents encoded once into flat token files, keyed by what made them."""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptmini.data.corpus import (
+    CorpusSpec,
+    _explain_decode_errors,
+    default_cache_dir,
+    load_documents,
+)
+from gptmini.tokenizer import get_tokenizer
+
+CACHE_VERSION = 1
+
+_log = logging.getLogger("gptmini.data")
+if not logging.getLogger().handlers and not _log.handlers:
+    # Like lightning.pytorch: show our progress lines unless the application configured logging.
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("gptmini.data: %(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(logging.INFO)
+
+
+@dataclass(frozen=True)
+class TokenCache:
+    """One tokenized corpus on disk: ``train.bin`` and ``val.bin`` plus ``meta.json``."""
+
+    directory: Path
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.directory / "meta.json").read_text())
+
+    def path(self, split: str) -> Path:
+        return self.directory / f"{split}.bin"
+
+    def num_tokens(self, split: str) -> int:
+        return self.meta["tokens"][split]
+
+    def load(self, split: str) -> np.ndarray:
+        """The tokens of `split` ("train" or "val") as a read-only memmap, shape (n,)."""
+        dtype = np.dtype(self.meta["dtype"])
+        if self.num_tokens(split) == 0:
+            return np.empty(0, dtype=dtype)  # mmap cannot map an empty file
+        return np.memmap(self.path(split), dtype=dtype, mode="r")
+
+
+def _is_val(index: int, val_fraction: float) -> bool:
+    # Every (1 / val_fraction)-th document goes to validation: evenly spread, independent of
+    # the corpus length, so the same rule serves streamed corpora of unknown size.
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def _encode_documents(
+    texts: list[str | None], tokenizer: str, dtype: str, num_threads: int
+) -> list[np.ndarray]:
+    enc = get_tokenizer(tokenizer)
+    encoded = enc.encode_ordinary_batch([t or "" for t in texts], num_threads=num_threads)
+    # Each non-empty document ends in <|endoftext|>; the file's last one is cut off after,
+    # which leaves the token exactly *between* documents.
+    return [np.asarray(doc + [enc.eot_token] if doc else [], dtype=dtype) for doc in encoded]
+
+
+def _encode_batch(
+    batch: dict[str, list], indices: list[int], tokenizer: str, val_fraction: float, dtype: str
+) -> dict[str, list]:
+    # One thread per process: num_proc alone says how many cores tokenizing takes.
+    ids = _encode_documents(batch["text"], tokenizer, dtype, num_threads=1)
+    return {"ids": ids, "val": [_is_val(i, val_fraction) for i in indices]}
+
+
+def _write_docs(flat: np.ndarray, lengths: np.ndarray, val: np.ndarray, train_f, val_f) -> None:
+    if not val.any():
+        train_f.write(flat.tobytes())
+        return
+    in_val = np.repeat(val, lengths)
+    train_f.write(flat[~in_val].tobytes())
+    val_f.write(flat[in_val].tobytes())
+
+
+def tokenize_corpus(
+    spec: CorpusSpec,
+    *,
+    tokenizer: str = "gpt2",
+    val_fraction: float = 0.0,
+    cache_dir: str | os.PathLike | None = None,
+    num_proc: int = 1,
+    quiet: bool = False,
+) -> TokenCache:
+    """Tokenize a corpus once into flat token files; later calls find them in the cache.
+
+    Documents are encoded with tiktoken's `encode_ordinary_batch` (a literal
+    "<|endoftext|>" in the text stays ordinary text) inside `datasets.map` on `num_proc`
+    processes, or on `num_proc` threads when streaming. Files hold uint16 when the
+    vocabulary fits, else uint32, with `<|endoftext|>` between documents.
+
+    Validation: every (1 / val_fraction)-th document; a corpus with fewer documents than
+    that (say, one book) gives the last `val_fraction` of its tokens instead.
+
+    The cache folder is keyed on the source identity (file paths, sizes and mtimes, or hub
+    name, config and split), the tokenizer and `val_fraction`; it is written to a temporary
+    folder and renamed into place, so an interrupted run leaves nothing half-written.
+
+    Raises:
+        ValueError: the corpus holds no text, or a file is not UTF-8.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); 0.05 keeps 5% for val")
+    root = Path(cache_dir or default_cache_dir())
+    key_doc = {
+        "version": CACHE_VERSION,
+        "corpus": spec.identity(),
+        "tokenizer": tokenizer,
+        "val_fraction": val_fraction,
+    }
+    key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:16]
+    final = root / "tokens" / f"{spec.name}-{tokenizer}-{key}"
+    cache = TokenCache(final)
+    if (final / "meta.json").is_file():
+        if not quiet:
+            tokens = cache.meta["tokens"]
+            _log.info(
+                f"cache hit: {spec.description} is already tokenized with {tokenizer} in "
+                f"{final} ({tokens['train']:,} train / {tokens['val']:,} val tokens); "
+                "skipping tokenization"
+            )
+        return cache
+
+    enc = get_tokenizer(tokenizer)
+    dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
+    if not quiet:
+        _log.info(f"tokenizing {spec.description} with {tokenizer} (num_proc={num_proc})")
+    tmp = root / "tokens" / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        docs = load_documents(spec, root)
+        counts = {"train": 0, "val": 0}
+        with (
+            open(tmp / "train.bin", "wb") as train_f,
+            open(tmp / "val.bin", "wb") as val_f,
+            _explain_decode_errors(spec),
+        ):
+            args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
+            if spec.streaming:
+                n_docs = _tokenize_stream(docs, args, num_proc, train_f, val_f)
+            else:
+                n_docs = len(docs)
+                encoded = docs.map(
+                    _encode_batch,
+                    batched=True,
+                    with_indices=True,
+                    remove_columns=["text"],
+                    fn_kwargs=args,
+                    num_proc=min(num_proc, n_docs) if num_proc > 1 and n_docs > 1 else None,
+                    cache_file_name=str(tmp / "encoded.arrow"),
+                    desc="tokenizing",
+                )
+                for table in encoded.with_format("arrow").iter(batch_size=1024):
+                    ids = table.column("ids").combine_chunks()
+                    lengths = np.diff(ids.offsets.to_numpy())
+                    flat = ids.flatten().to_numpy().astype(dtype, copy=False)
+                    _write_docs(flat, lengths, table.column("val").to_numpy(), train_f, val_f)
+                del encoded
+        for split in counts:
+            counts[split] = _drop_trailing_eot(tmp / f"{split}.bin", dtype, enc.eot_token)
+        if counts["train"] + counts["val"] == 0:
+            raise ValueError(
+                f"corpus {spec.description} is empty: {n_docs} documents, 0 tokens. Point "
+                "source at files that hold text (for json/parquet, check text_field)"
+            )
+        split_by = "documents" if counts["val"] else "none"
+        if val_fraction > 0 and counts["val"] == 0:
+            counts = _split_tail(tmp, dtype, val_fraction, counts["train"])
+            split_by = "tokens"
+        for leftover in tmp.glob("encoded*.arrow"):
+            leftover.unlink()
+        meta = {
+            **key_doc,
+            "source": spec.description,
+            "dtype": dtype.name,
+            "eot_token": enc.eot_token,
+            "documents": n_docs,
+            "val_split_by": split_by,
+            "tokens": counts,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished the same cache first: keep theirs
+            if not (final / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not quiet:
+        _log.info(f"wrote {counts['train']:,} train / {counts['val']:,} val tokens to {final}")
+    return cache
+
+
+def _tokenize_stream(docs, args: dict, num_threads: int, train_f, val_f) -> int:
+    index = 0
+    for batch in docs.iter(batch_size=256):
+        arrays = _encode_documents(batch["text"], args["tokenizer"], args["dtype"], num_threads)
+        val = np.array([_is_val(index + i, args["val_fraction"]) for i in range(len(arrays))])
+        index += len(arrays)
+        lengths = np.array([len(a) for a in arrays])
+        _write_docs(np.concatenate(arrays), lengths, val, train_f, val_f)
+    return index
+
+
+def _drop_trailing_eot(path: Path, dtype: np.dtype, eot: int) -> int:
+    n = path.stat().st_size // dtype.itemsize
+    if n:
+        with open(path, "rb+") as f:
+            f.seek((n - 1) * dtype.itemsize)
+            if np.frombuffer(f.read(dtype.itemsize), dtype)[0] == eot:
+                n -= 1
+                f.truncate(n * dtype.itemsize)
+    return n
+
+
+def _split_tail(directory: Path, dtype: np.dtype, val_fraction: float, n: int) -> dict[str, int]:
+    """Move the last `val_fraction` of the train tokens into val.bin (single-document case)."""
+    k = round(n * val_fraction)
+    if k == 0 or k >= n:
+        return {"train": n, "val": 0}
+    with open(directory / "train.bin", "rb+") as f:
+        f.seek((n - k) * dtype.itemsize)
+        (directory / "val.bin").write_bytes(f.read())
+        f.truncate((n - k) * dtype.itemsize)
+    return {"train": n - k, "val": k}
+

@@ -1,0 +1,93 @@
+"""Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
+
+
+
+
+
+
+
+import csv
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptmini.data import (
+    resolve_source,
+    tokenize_corpus,
+)
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.tokenizer import get_tokenizer
+
+ENC = get_tokenizer("gpt2")
+
+EOT = ENC.eot_token
+
+WORDS = "the of and to in a is that for it as was with be by on not he I this".split()
+
+def words(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, size=n))
+
+def joined(docs: list[str]) -> list[int]:
+    """What the token file should hold: documents' ids with <|endoftext|> between them."""
+    out: list[int] = []
+    for doc in docs:
+        if out:
+            out.append(EOT)
+        out += ENC.encode_ordinary(doc)
+    return out
+
+def tokens_of(path, cache_dir, val_fraction=0.0, **kwargs) -> tuple[list[int], list[int]]:
+    spec = resolve_source(str(path), **kwargs)
+    cache = tokenize_corpus(spec, val_fraction=val_fraction, cache_dir=cache_dir, quiet=True)
+    return cache.load("train").tolist(), cache.load("val").tolist()
+
+
+def make_model(**overrides) -> GPTModel:
+    cfg = {"vocab_size": 64, "context_length": 16, "emb_dim": 16, "n_heads": 2,
+           "n_layers": 2, "drop_rate": 0.0, **overrides}
+    return GPTModel(GPTConfig(**cfg)).eval()
+
+def save_checkpoint(model: GPTModel, path: Path, tokenizer: str = "gpt2") -> Path:
+    """What Lightning writes for the training module (see gptmini.checkpoint)."""
+    torch.save(
+        {
+            "epoch": 0,
+            "global_step": 1,
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "hyper_parameters": {**model.cfg.to_dict(), "tokenizer": tokenizer,
+                                 "learning_rate": 1e-3},
+            "optimizer_states": [],
+            "lr_schedulers": [],
+            "loops": {},
+            "callbacks": {},
+        },
+        path,
+    )
+    return path
+
+
+PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the PNG signature and IHDR chunk."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+def write_metrics(path: Path, rows: list[dict]):
+    columns = ["epoch", "step", "train/grad_norm", "train/loss", "train/lr", "val/loss",
+               "val/ppl"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def tiny(**overrides) -> GPTConfig:
+    fields = dict(vocab_size=50257, context_length=32, emb_dim=16, n_heads=2, n_layers=2,
+                  drop_rate=0.0)
+    return GPTConfig(**{**fields, **overrides})

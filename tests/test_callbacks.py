@@ -1,0 +1,134 @@
+"""Training callbacks: attention maps, and the progress bar's metrics."""
+
+
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import PROMPT, tiny
+from lightning.pytorch.loggers import WandbLogger
+
+from gptmini.callbacks import AttentionMapCallback
+from gptmini.cli import visualize_main
+from gptmini.model import GPTModel
+from gptmini.plots import (
+    PLOT_INSTALL_HINT,
+    attention_weights,
+    plot_attention,
+)
+from gptmini.tokenizer import get_tokenizer
+
+
+@pytest.fixture
+def model() -> GPTModel:
+    return GPTModel(tiny()).eval()
+
+@pytest.fixture
+def tokenizer():
+    return get_tokenizer("gpt2")
+
+
+def test_missing_matplotlib_names_the_install_command(model, tokenizer, run_dir, monkeypatch,
+                                                      capsys, tmp_path):
+    weights, labels = attention_weights(model, tokenizer, PROMPT, 0)  # needs only torch
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(ImportError, match=PLOT_INSTALL_HINT.replace("[", r"\[")):
+        plot_attention(weights, labels, tmp_path / "a.png", layer=0)
+    assert visualize_main(["curves", str(run_dir), "--out", str(tmp_path / "c.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and PLOT_INSTALL_HINT in err
+
+    callback = AttentionMapCallback(every_n_steps=1)
+    trainer, module = fake_trainer(tmp_path, model)
+    with pytest.warns(UserWarning, match="gptmini\\[plot\\]"):
+        callback.on_fit_start(trainer, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, then silent
+        callback.on_fit_start(trainer, module)
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert not (tmp_path / "attention").exists()
+
+class RecordingWandbLogger(WandbLogger):
+    """Passes isinstance(..., WandbLogger) without starting wandb."""
+
+    def __init__(self):
+        self.images = []
+
+    def log_image(self, key, images, step=None, **kwargs):
+        self.images.append((key, images, step))
+
+def fake_trainer(tmp_path: Path, model: GPTModel, loggers=()):
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, loggers=list(loggers),
+                              log_dir=None, default_root_dir=str(tmp_path))
+    module = SimpleNamespace(model=model, hparams=SimpleNamespace(tokenizer="gpt2"),
+                             device=torch.device("cpu"))
+    return trainer, module
+
+def test_callback_logs_to_wandb_every_n_steps_without_touching_the_run(model, tmp_path):
+    wandb = RecordingWandbLogger()
+    trainer, module = fake_trainer(tmp_path, model.train(), [wandb])
+    callback = AttentionMapCallback(every_n_steps=2, layer=-1)
+    callback.on_fit_start(trainer, module)
+    rng = torch.get_rng_state()
+    for step in [0, 1, 2, 2, 3, 4]:  # 0 and 2 twice: gradient accumulation's micro-batches
+        trainer.global_step = step
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+    steps = (2, 4)
+    paths = [tmp_path / "attention" / f"step_{n}.png" for n in steps]
+    assert wandb.images == [("attention", [str(p)], n) for p, n in zip(paths, steps, strict=True)]
+    assert all(p.is_file() for p in paths)
+    assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["step_2.png",
+                                                                           "step_4.png"]
+
+def test_callback_warns_and_stays_off_for_a_prompt_longer_than_the_context(model, tmp_path):
+    trainer, module = fake_trainer(tmp_path, model)
+    callback = AttentionMapCallback(every_n_steps=1, prompt="to be or not " * 20)
+    with pytest.warns(UserWarning, match="longer than context_length 32"):
+        callback.on_fit_start(trainer, module)
+    trainer.global_step = 1
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert not (tmp_path / "attention").exists()
+
+def test_callback_in_a_real_training_run_saves_maps_and_changes_nothing(tmp_path):
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from gptmini.lit_module import GPTLitModule
+
+    def run(callbacks, root):
+        L.seed_everything(0, verbose=False)
+        module = GPTLitModule(context_length=16, emb_dim=16, n_heads=2, n_layers=2,
+                              drop_rate=0.1, warmup_steps=1, peak_flops=1e12)
+        tokens = torch.randint(0, 50257, (8, 17), generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2
+        )
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(root, name="logs"),
+                            callbacks=callbacks, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=root)
+        trainer.fit(module, data)
+        return module, trainer
+
+    with_maps, trainer = run([AttentionMapCallback(every_n_steps=2)], tmp_path / "a")
+    without, _ = run([], tmp_path / "b")
+    assert (Path(trainer.log_dir) / "attention" / "step_2.png").is_file()
+    assert not (Path(trainer.log_dir) / "attention" / "step_1.png").exists()
+    for p, q in zip(with_maps.parameters(), without.parameters(), strict=True):
+        assert torch.equal(p, q)  # same dropout masks: the callback drew no random numbers
+
+
+def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
+    from types import SimpleNamespace
+
+    from gptmini.callbacks import progress_bar
+
+    trainer = SimpleNamespace(loggers=[], progress_bar_metrics={
+        "train/loss": 5.4321, "train/lr": 1e-4, "train/tokens_per_sec": 1180.4, "val/loss": 5.5})
+    shown = progress_bar().get_metrics(trainer, None)
+    assert shown == {"loss": "5.432", "lr": "1.00e-04", "tok/s": "1180", "val_loss": "5.500"}

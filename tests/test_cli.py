@@ -1,0 +1,120 @@
+"""The command lines behind generate.py and visualize.py."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PROMPT, make_model, png_size, save_checkpoint, tiny
+
+from gptmini.cli import generate_main, visualize_main
+from gptmini.generation import (
+    stream_text,
+)
+from gptmini.model import GPTModel
+from gptmini.tokenizer import get_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    model = make_model(vocab_size=50257, context_length=32)
+    return save_checkpoint(model, tmp_path / "tiny.ckpt")
+
+def run_main(capsys, *argv) -> str:
+    assert generate_main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+def test_cli_greedy_continues_the_prompt(checkpoint, capsys):
+    out = run_main(capsys, "--checkpoint", checkpoint, "--prompt", "ROMEO:",
+                   "--max_new_tokens", 8, "--temperature", 0)
+    model = make_model(vocab_size=50257, context_length=32)
+    model.load_state_dict({k[6:]: v for k, v in torch.load(checkpoint)["state_dict"].items()})
+    expected = "".join(stream_text(model, get_tokenizer("gpt2"), "ROMEO:", 8))
+    assert out == "ROMEO:" + expected + "\n"
+
+def test_cli_stream_prints_the_same_samples_as_no_stream(checkpoint, capsys):
+    argv = ["--checkpoint", checkpoint, "--prompt", "ROMEO:", "--max_new_tokens", 10,
+            "--seed", 5, "--num_samples", 2, "--top_p", 0.95]
+    printed = run_main(capsys, *argv)
+    assert printed == run_main(capsys, *argv, "--stream")
+    assert printed.count("--- sample") == 2
+    assert printed != run_main(capsys, *argv[:-4], "--seed", 6, *argv[-4:])
+
+def test_cli_empty_prompt_and_prompt_file(checkpoint, tmp_path, capsys):
+    assert run_main(capsys, "--checkpoint", checkpoint, "--max_new_tokens", 3, "--seed", 0)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("JULIET:")
+    out = run_main(capsys, "--checkpoint", checkpoint, "--prompt_file", prompt_file,
+                   "--max_new_tokens", 3)
+    assert out.startswith("JULIET:")
+
+def test_cli_reads_a_hugging_face_directory(tmp_path, capsys):
+    from gptmini.convert import export_hf
+
+    directory = export_hf(make_model(vocab_size=50257, context_length=32, qkv_bias=True,
+                                     tie_weights=True), tmp_path / "hf")
+    out = run_main(capsys, "--hf", directory, "--prompt", "Hi", "--max_new_tokens", 4)
+    assert out.startswith("Hi")
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--device", "cuda"], "not available"),
+        (["--device", "nonsense"], "not a device"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top_p", "2"], "top_p"),
+        (["--prompt_file", "/no/such/prompt.txt"], "does not exist"),
+    ],
+)
+def test_cli_bad_arguments_exit_with_a_message(checkpoint, capsys, extra, match):
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--checkpoint", str(checkpoint), *extra])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+def test_cli_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        generate_main(["--checkpoint", str(tmp_path / "nope.ckpt")])
+    assert "no checkpoint at" in capsys.readouterr().err
+
+def test_generate_py_script_end_to_end(checkpoint):
+    result = subprocess.run(
+        [sys.executable, "generate.py", "--checkpoint", str(checkpoint), "--prompt", "ROMEO:",
+         "--max_new_tokens", "5"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:")
+
+def test_curves_command_and_its_errors(run_dir, tmp_path, capsys):
+    assert visualize_main(["curves", str(run_dir), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").is_file()
+    assert visualize_main(["curves", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no metrics under" in err
+
+def test_attention_command(checkpoint, tmp_path, capsys):
+    out = tmp_path / "att.png"
+    args = ["attention", "--checkpoint", str(checkpoint), "--prompt", PROMPT, "--out", str(out)]
+    assert visualize_main([*args, "--layer", "1", "--head", "1"]) == 0
+    assert "layer 1, head 1" in capsys.readouterr().out
+    single = png_size(out)
+    assert visualize_main([*args, "--all_heads", "--left_pad", "2"]) == 0
+    assert png_size(out) != single
+    assert visualize_main([*args, "--head", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "head 5 is out of range" in err
+    assert visualize_main([*args, "--layer", "7"]) == 1
+    assert "valid: 0 to 1" in capsys.readouterr().err
+
+def test_attention_command_on_a_hugging_face_directory(tmp_path, capsys):
+    from gptmini.convert import export_hf
+
+    model = GPTModel(tiny(qkv_bias=True, tie_weights=True))
+    export_hf(model, tmp_path / "hf")
+    out = tmp_path / "hf.png"
+    assert visualize_main(["attention", "--hf", str(tmp_path / "hf"), "--prompt", PROMPT,
+                           "--layer", "0", "--all_heads", "--out", str(out)]) == 0
+    assert png_size(out)[0] > 0 and "layer 0, all heads" in capsys.readouterr().out

@@ -1,0 +1,115 @@
+"""Corpora in: formats, the embedded corpus, decoding errors, missing paths, the hub offline."""
+
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import ENC, EOT, joined, tokens_of, words
+
+from gptmini.data import (
+    EMBEDDED_CORPUS,
+    GPTDataModule,
+    load_documents,
+    resolve_source,
+    tokenize_corpus,
+)
+
+
+def test_embedded_corpus_loads_through_the_text_builder_from_gz(tmp_path):
+    files = sorted(EMBEDDED_CORPUS.glob("*.txt.gz"))
+    assert len(files) == 42 and (EMBEDDED_CORPUS.parent / "NOTICE").is_file()
+    spec = resolve_source(None)
+    assert spec.files == tuple(f.resolve() for f in files)
+    docs = load_documents(spec, tmp_path)
+    assert docs.column_names == ["text"] and len(docs) == 42
+    for i in (0, 17, 41):  # one document per work, decompressed, byte for byte
+        assert docs[i]["text"] == gzip.decompress(files[i].read_bytes()).decode("utf-8")
+
+def test_text_and_markdown_files_one_document_each(tmp_path):
+    docs = [words(30, 1), "# Title\n\nSome *markdown*.\n", words(20, 3)]
+    for name, doc in zip(["a.txt", "b.md", "c.txt.gz"], docs, strict=True):
+        raw = doc.encode()
+        (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    for source in (tmp_path, tmp_path / "*"):  # a directory and a glob
+        train, val = tokens_of(source, tmp_path / "cache")
+        assert train == joined(docs) and val == []
+        assert train.count(EOT) == 2  # between the three documents, not after the last
+
+def test_json_jsonl_and_parquet_with_a_text_field(tmp_path):
+    docs = [words(12, i) for i in range(5)]
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"body": d, "id": 1}) + "\n" for d in docs)
+    )
+    (tmp_path / "b.json").write_text(json.dumps([{"body": d} for d in docs]))
+    pq.write_table(pa.table({"body": docs, "n": list(range(5))}), tmp_path / "c.parquet")
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        train, _ = tokens_of(tmp_path / name, tmp_path / "cache", text_field="body")
+        assert train == joined(docs), name
+
+def test_streaming_reads_the_same_tokens(tmp_path):
+    # The hub path (load_dataset(..., streaming=True)) exercised on local files.
+    docs = [words(15, i) for i in range(25)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    kept = tokenize_corpus(
+        resolve_source(str(tmp_path / "d.jsonl")),
+        val_fraction=0.1,
+        cache_dir=tmp_path / "a",
+        quiet=True,
+    )
+    streamed = tokenize_corpus(
+        resolve_source(str(tmp_path / "d.jsonl"), streaming=True),
+        val_fraction=0.1,
+        cache_dir=tmp_path / "b",
+        quiet=True,
+    )
+    for split in ("train", "val"):
+        assert np.array_equal(kept.load(split), streamed.load(split))
+
+def test_missing_path_is_named_with_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'nowhere/corpus.txt' does not exist.*embedded"):
+        resolve_source("nowhere/corpus.txt")
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        resolve_source(str(tmp_path / "*.txt"))
+    with pytest.raises(FileNotFoundError, match="holds no corpus files"):
+        resolve_source(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        GPTDataModule(source=str(tmp_path / "gone.jsonl"), cache_dir=str(tmp_path)).prepare_data()
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.txt.gz", "latin1.jsonl"])
+def test_file_that_is_not_utf8_is_named_and_replace_works(tmp_path, name):
+    good = tmp_path / "good.txt"
+    good.write_text("fine text. " * 3)
+    raw = "caf\u00e9 cr\u00e8me".encode("latin-1")  # é is 0xe9 in latin-1, invalid UTF-8 here
+    if name.endswith(".jsonl"):
+        raw = b'{"text": "' + raw + b'"}\n'
+    (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    source = str(tmp_path / "*")
+    with pytest.raises(ValueError, match=rf"{name} is not valid UTF-8 \(byte 0xe9.*'replace'"):
+        tokens_of(source, tmp_path / "c")
+    train, _ = tokens_of(source, tmp_path / "c", encoding_errors="replace")
+    assert "caf\ufffd cr\ufffdme" in ENC.decode(train)
+
+def test_not_utf8_while_streaming(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff no")
+    with pytest.raises(ValueError, match=r"bad\.txt is not valid UTF-8 \(byte 0xff near offset 3"):
+        tokens_of(tmp_path / "bad.txt", tmp_path / "c", streaming=True)
+
+def test_missing_json_field_lists_the_fields(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"body": "hello", "id": 1}\n')
+    with pytest.raises(ValueError, match=r"no field 'text'; its fields are \['body', 'id'\]"):
+        tokens_of(tmp_path / "d.jsonl", tmp_path / "c")
+    with pytest.raises(ValueError, match=r"holds Value\('int64'\), not text"):
+        tokens_of(tmp_path / "d.jsonl", tmp_path / "c", text_field="id")
+
+def test_hub_name_offline_says_so_and_points_to_local_files(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    spec = resolve_source("someone/tiny-corpus", hub_config="en", hub_split="train")
+    assert spec.hub_name == "someone/tiny-corpus" and spec.files == ()
+    with pytest.raises(ConnectionError, match=r"cannot reach the Hugging Face hub.*local files"):
+        load_documents(spec, tmp_path)
