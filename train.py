@@ -7,7 +7,8 @@
 
 import sys
 
-from gptmini.training import main
+from gptmini.training import keep_freed_memory, main
 
 if __name__ == "__main__":
+    keep_freed_memory()  # process-wide: set here, in the training process, not by the library
     sys.exit(main())

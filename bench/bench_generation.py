@@ -16,7 +16,6 @@ import time
 
 import torch
 
-import gptmini.generation as generation
 from gptmini.generation import generate
 from gptmini.model import GPTConfig, GPTModel, num_parameters
 
@@ -71,8 +70,7 @@ def main():
 
     bandwidth = read_bandwidth()
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, BLAS {torch.backends.mkl.is_available() and 'MKL'}"
-          f", oneDNN linears in generation: {bool(generation._cpu_linears(torch.nn.Linear(2, 2)))}")
+          f"{torch.get_num_threads()} threads, BLAS {torch.backends.mkl.is_available() and 'MKL'}")
     print(f"memory read bandwidth (sum of 512 MB): {bandwidth / 1e9:.1f} GB/s")
     print(f"greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row; "
           "tok/s = new tokens of all rows / wall time of the generate call\n")
@@ -94,13 +92,6 @@ def main():
             results[name, batch] = fast
             print(f"  {batch:>5} {slow:>16.1f} {fast:>15.1f} {fast / slow:>8.1f}x "
                   f"{fast / batch / ceiling:>17.0%}", flush=True)
-        if name.startswith("GPT-2"):
-            generation.USE_ONEDNN_LINEAR = False
-            default = [tokens_per_sec(model, b, args.prompt_tokens, args.new_tokens, True, 3)
-                       for b in BATCHES]
-            generation.USE_ONEDNN_LINEAR = True
-            print(f"  KV cache with torch's default CPU linear (MKL): batch 1 {default[0]:.1f} "
-                  f"tok/s, batch 8 {default[1]:.1f} tok/s ({default[1] / default[0]:.1f}x)")
         print()
 
     b1, b8 = results["GPT-2 124M shape", 1], results["GPT-2 124M shape", 8]

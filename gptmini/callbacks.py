@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.lit_module import GPTLitModule
@@ -70,23 +70,12 @@ class _ShortMetrics:
         return metrics
 
 
-class RichBar(_ShortMetrics, RichProgressBar):
-    def _get_train_description(self, current_epoch: int) -> str:
-        # Runs are bounded by max_steps; Lightning's "Epoch 0/-2" would mean max_epochs=-1.
-        return f"Epoch {current_epoch}"
-
-
-class TQDMBar(_ShortMetrics, TQDMProgressBar):
-    pass
+class ProgressBar(_ShortMetrics, TQDMProgressBar):
+    """Lightning's tqdm bar with short metric names ("Epoch N", never Rich's "Epoch 0/-2")."""
 
 
 def progress_bar() -> Callback:
-    try:
-        import rich  # noqa: F401  (Lightning's own choice: rich when it is installed)
-
-        return RichBar()
-    except ImportError:
-        return TQDMBar()
+    return ProgressBar()
 
 
 class AttentionMapCallback(Callback):

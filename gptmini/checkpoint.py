@@ -1,26 +1,32 @@
-"""Load a trained gptmini model from a checkpoint: the model, its tokenizer and its settings.
+"""From a path to a model: a gptmini checkpoint or a Hugging Face GPT-2 directory.
 
-A gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict):
+`load_checkpoint` is the one way generate.py, visualize.py and the export read a model. A
+gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict):
 
     {"state_dict": {"model.<GPTModel key>": tensor, ...},
-     "hyper_parameters": {<every GPTConfig field>, "tokenizer": "gpt2", <training settings>},
+     "hyper_parameters": {"tokenizer": "gpt2", <GPTConfig fields>, <training settings>},
+     "model_config": {<every GPTConfig field>},  # since padded_vocab_size; older ones lack it
      ...Lightning's own keys (epoch, global_step, optimizer_states, loops, callbacks)...}
 
 It is always read with `torch.load(weights_only=True)`: tensors, numbers, strings and
 containers only, so a checkpoint cannot run code when it is opened. A directory in the
-Hugging Face GPT-2 layout (config.json + weights) is accepted too, through `convert`.
+Hugging Face GPT-2 layout (config.json + weights) is read through `convert`.
 """
 
 import pickle
 import re
 from dataclasses import fields
 from pathlib import Path
+from typing import NamedTuple
 
+import tiktoken
 import torch
 
+from gptmini.convert import load_hf
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.tokenizer import get_tokenizer
 
-__all__ = ["load_checkpoint", "CONFIG_FIELDS", "MODEL_PREFIX"]
+__all__ = ["CONFIG_FIELDS", "MODEL_PREFIX", "LoadedModel", "load_checkpoint", "model_config"]
 
 CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
 MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
@@ -28,10 +34,18 @@ MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model
 _REQUIRED = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")
 
 
+class LoadedModel(NamedTuple):
+    model: GPTModel
+    """In eval mode, on the requested device."""
+    tokenizer: tiktoken.Encoding
+    hparams: dict
+    """The checkpoint's hyper_parameters; for a Hugging Face directory, the GPTConfig fields."""
+
+
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu"
-) -> tuple[GPTModel, str, dict]:
-    """Rebuild the model a checkpoint was trained with.
+) -> LoadedModel:
+    """Rebuild a trained model and its tokenizer from `path`.
 
     Args:
         path: a gptmini `.ckpt` file, or a Hugging Face GPT-2 directory (`config.json` and
@@ -39,8 +53,7 @@ def load_checkpoint(
         map_location: device for the weights and the model.
 
     Returns:
-        (model in eval mode, tokenizer name, hyper_parameters dict). For a Hugging Face
-        directory the tokenizer is "gpt2" and the dict holds the GPTConfig fields.
+        (model in eval mode, tokenizer, hyper_parameters dict).
 
     Raises:
         FileNotFoundError: nothing at `path`.
@@ -54,10 +67,11 @@ def load_checkpoint(
             "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
         )
     if path.is_dir():
-        from gptmini.convert import load_hf
-
-        model = load_hf(path).to(map_location).eval()
-        return model, "gpt2", {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+        tokenizer = get_tokenizer("gpt2")
+        model = load_hf(path)
+        model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
+        hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+        return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
     ckpt = _safe_load(path, map_location)
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
@@ -68,23 +82,17 @@ def load_checkpoint(
             f"{path} is not a gptmini checkpoint: expected a dict with 'state_dict' and "
             f"'hyper_parameters' (what train.py saves), found {found}"
         )
-    missing = [name for name in _REQUIRED if name not in hparams]
-    if missing:
-        raise ValueError(
-            f"{path} is not a gptmini checkpoint: its hyper_parameters lack the GPTConfig "
-            f"fields {missing}, so the model cannot be rebuilt (was it saved by another "
-            "LightningModule?)"
-        )
     model_state = _model_state(state)
     if not model_state:
         raise ValueError(
             f"{path} is not a gptmini checkpoint: no '{MODEL_PREFIX}' weights in its state_dict "
             f"(first keys: {sorted(state)[:5]})"
         )
+    tokenizer = get_tokenizer(str(hparams.get("tokenizer", "gpt2")))
     try:
-        cfg = GPTConfig(**{k: hparams[k] for k in CONFIG_FIELDS if k in hparams})
+        cfg = model_config(ckpt, tokenizer.n_vocab)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}: its hyper_parameters do not make a GPTConfig: {err}") from err
+        raise ValueError(f"{path}: {err}") from err
 
     model = GPTModel(cfg)
     if cfg.tie_weights and "out_head.weight" not in model_state:
@@ -99,8 +107,31 @@ def load_checkpoint(
             f"{path}: the weights do not match the model its hyper_parameters describe "
             f"({cfg}): {'; '.join(problems[:3])}{more}"
         ) from None
-    tokenizer = hparams.get("tokenizer", "gpt2")
-    return model.to(map_location).eval(), str(tokenizer), dict(hparams)
+    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
+    """The `GPTConfig` a checkpoint was trained with, for a tokenizer of `n_vocab` ids.
+
+    Newer checkpoints carry it whole ("model_config"); older ones only as hyper_parameters,
+    where a vocab_size wider than the tokenizer was padding (see `GPTConfig.fit_vocab`).
+
+    Raises:
+        ValueError: the fields are missing or do not make a valid GPTConfig.
+    """
+    saved = ckpt.get("model_config") or ckpt.get("hyper_parameters") or {}
+    missing = [name for name in _REQUIRED if name not in saved]
+    if missing:
+        raise ValueError(
+            f"not a gptmini checkpoint: its hyper_parameters lack the GPTConfig fields "
+            f"{missing}, so the model cannot be rebuilt (was it saved by another "
+            "LightningModule?)"
+        )
+    try:
+        cfg = GPTConfig(**{k: saved[k] for k in CONFIG_FIELDS if k in saved})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"its hyper_parameters do not make a GPTConfig: {err}") from err
+    return cfg.fit_vocab(n_vocab)
 
 
 def _safe_load(path: Path, map_location) -> object:

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tiktoken import Encoding
 from torch import nn
 
+from gptmini.checkpoint import load_checkpoint
 from gptmini.generation import _check_sampling, stream_text
 from gptmini.plots import (
     _check_index,
@@ -48,11 +50,6 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     Samples are drawn one after another from one generator, so the output is the same
     with and without `--stream`. Bad arguments exit with status 2 and a message.
     """
-    # Imported here so that `import gptmini.generation` stays torch-only.
-    from gptmini.checkpoint import load_checkpoint
-    from gptmini.convert import load_hf
-    from gptmini.tokenizer import get_tokenizer
-
     parser = generate_parser()
     args = parser.parse_args(argv)
     top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
@@ -67,11 +64,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             prompt = args.prompt_file.read_text(encoding="utf-8")
         else:
             prompt = args.prompt
-        if args.checkpoint is not None:
-            model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location=device)
-        else:
-            model, tokenizer_name = load_hf(args.hf).to(device), "gpt2"
-        tokenizer = get_tokenizer(tokenizer_name)
+        model, tokenizer, _ = load_checkpoint(args.checkpoint or args.hf, map_location=device)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
 
@@ -160,37 +153,28 @@ def visualize_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+def _load_model(args: argparse.Namespace) -> tuple[nn.Module, Encoding]:
     try:
         device = torch.device(args.device)
     except RuntimeError as err:
         raise ValueError(f"--device {args.device!r} is not a device name ({err})") from None
-    if args.checkpoint is not None:
-        from gptmini.checkpoint import load_checkpoint
-
-        model, tokenizer_name, _ = load_checkpoint(args.checkpoint, map_location="cpu")
-    else:
-        from gptmini.convert import load_hf
-
-        model, tokenizer_name = load_hf(args.hf), "gpt2"
+    model, tokenizer, _ = load_checkpoint(args.checkpoint or args.hf, map_location="cpu")
     try:
         model.to(device)
     except (RuntimeError, AssertionError) as err:  # a build without CUDA asserts
         raise ValueError(f"--device {args.device} is not available ({err}); use cpu") from None
-    return model, tokenizer_name
+    return model, tokenizer
 
 
 def _attention_command(args: argparse.Namespace) -> str:
-    from gptmini.tokenizer import get_tokenizer
-
     _require_matplotlib()  # before loading a model that cannot be drawn
-    model, tokenizer_name = _load_model(args)
+    model, tokenizer = _load_model(args)
     head = None if args.all_heads else args.head
     if head is not None:
         _check_index("head", head, model.cfg.n_heads, "heads per layer")
     layer = _check_index("layer", args.layer, model.cfg.n_layers, "layers")
     weights, labels = attention_weights(
-        model, get_tokenizer(tokenizer_name), args.prompt, layer, left_pad=args.left_pad
+        model, tokenizer, args.prompt, layer, left_pad=args.left_pad
     )
     out = plot_attention(weights, labels, args.out, layer=layer, head=head, dpi=args.dpi)
     which = "all heads" if head is None else f"head {head % model.cfg.n_heads}"

@@ -127,7 +127,7 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     out = {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.vocab_width,  # the embedding's rows; padding ids included
         "n_positions": cfg.context_length,
         "n_embd": cfg.emb_dim,
         "n_layer": cfg.n_layers,
@@ -249,19 +249,16 @@ def load_hf(directory: str | Path) -> GPTModel:
     return from_hf_state_dict(state, hf_config)
 
 
-def export_hf(model: GPTModel | str | Path, directory: str | Path) -> Path:
-    """Write `model` (or the model of a gptmini checkpoint path) as a GPT-2 directory.
+def export_hf(model: GPTModel, directory: str | Path) -> Path:
+    """Write `model` as a GPT-2 directory that `transformers` loads.
 
     The directory holds `config.json` and `model.safetensors`, and
-    `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it.
+    `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. To export a
+    checkpoint, load it first: `export_hf(load_checkpoint(path).model, directory)`.
 
     Raises:
         ValueError: the model uses grouped-query or sliding-window attention.
     """
-    if isinstance(model, str | Path):
-        from gptmini.checkpoint import load_checkpoint
-
-        model = load_checkpoint(model)[0]
     hf_config = config_to_hf(model.cfg)
     state = {k: v.cpu() for k, v in to_hf_state_dict(model).items()}
     directory = Path(directory)

@@ -19,7 +19,6 @@ generates what its prompt generates alone.
 """
 
 import codecs
-import functools
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -242,20 +241,19 @@ def _stream(
 ) -> Iterator[Tensor]:
     # Separate from generate_stream so that bad arguments raise at the call, not at the
     # first next().
-    linears = _cpu_linears(model)
     b = idx.shape[0]
     finished = torch.zeros(b, dtype=torch.bool, device=idx.device)
     caches = None
     for _ in range(max_new_tokens):
         if use_cache and caches is not None and idx.shape[1] <= context_size:
             # The cache holds every token but the newest: feed just that one.
-            logits = _last_logits(model, idx[:, -1:], mask, caches, linears)
+            logits = _last_logits(model, idx[:, -1:], mask, caches)
         else:
             # First step, or past context_size: (re)compute over the cropped context.
             idx_cond = idx[:, -context_size:]
             mask_cond = None if mask is None else mask[:, -context_size:]
             caches = model.new_kv_caches() if use_cache else None
-            logits = _last_logits(model, idx_cond, mask_cond, caches, linears)
+            logits = _last_logits(model, idx_cond, mask_cond, caches)
         next_ids = sample_next_token(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )  # (b,)
@@ -326,14 +324,13 @@ def _last_logits(
     idx: Tensor,
     mask: Tensor | None,
     caches: list | None,
-    linears: list[nn.Linear],
 ) -> Tensor:
     """Logits of the last position only, (b, vocab_size).
 
     The output head is a (vocab_size x emb_dim) matmul per position, the largest in a small
     GPT; only the last position is sampled from, so the head sees only that one.
     """
-    with _onednn_linears(linears), _head_on_last_position(model, enabled=idx.shape[1] > 1):
+    with _head_on_last_position(model, enabled=idx.shape[1] > 1):
         if caches is not None:
             return model(idx, mask, kv_caches=caches)[:, -1, :]
         if mask is not None:
@@ -352,62 +349,6 @@ def _head_on_last_position(model: nn.Module, enabled: bool):
         yield
     finally:
         handle.remove()
-
-
-# On CPU, torch runs float32 nn.Linear through MKL, which on this project's AMD test machine
-# runs a batch-1 matrix-vector product on one core (17 GB/s of 40) and a batch-8 product at
-# a third of oneDNN's speed. oneDNN (the kernel torch.compile uses for CPU linears) gives
-# 1.4x at batch 1 and 1.6x at batch 8 for the same float32 result up to rounding. It is
-# switched on only around each model call of a generation, and off if the op is missing
-# or disagrees with F.linear.
-USE_ONEDNN_LINEAR = True
-
-
-def _cpu_linears(model: nn.Module) -> list[nn.Linear]:
-    """The plain float32 CPU linears of `model` that oneDNN can run, if it is usable."""
-    if not (USE_ONEDNN_LINEAR and _onednn_linear_ok()):
-        return []
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        return []  # torch.compile'd in place: inductor picks its own kernels
-    return [
-        m for m in model.modules()
-        if type(m) is nn.Linear
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32
-        and "forward" not in m.__dict__
-    ]
-
-
-@functools.cache
-def _onednn_linear_ok() -> bool:
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-            return False
-        gen = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*s, generator=gen) for s in ((2, 3, 16), (5, 16), (5,)))
-        with torch.inference_mode():
-            got = (op(x, w, b, "none", [], ""), op(x, w, None, "none", [], ""))
-        want = (nn.functional.linear(x, w, b), nn.functional.linear(x, w))
-        pairs = zip(got, want, strict=True)
-        return all(torch.allclose(g, e, atol=1e-5, rtol=1e-5) for g, e in pairs)
-    except Exception:  # op missing or changed in this torch build: keep torch's default
-        return False
-
-
-def _onednn_forward(module: nn.Linear, x: Tensor) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
-
-
-@contextmanager
-def _onednn_linears(linears: list[nn.Linear]):
-    for m in linears:
-        m.forward = functools.partial(_onednn_forward, m)
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.forward
 
 
 def stream_text(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from gptmini.checkpoint import model_config
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
 from gptmini.tokenizer import get_tokenizer
 
@@ -32,16 +33,6 @@ PEAK_FLOPS_BY_DEVICE = {
 class GPTLitModule(L.LightningModule):
     def __init__(
         self,
-        vocab_size: int = 50257,
-        context_length: int = 128,
-        emb_dim: int = 256,
-        n_heads: int = 4,
-        n_layers: int = 4,
-        drop_rate: float = 0.1,
-        qkv_bias: bool = False,
-        n_kv_heads: int | None = None,
-        window_size: int | None = None,
-        tie_weights: bool = True,
         tokenizer: str = "gpt2",
         init_from: str | None = None,
         learning_rate: float = 1e-3,
@@ -52,43 +43,37 @@ class GPTLitModule(L.LightningModule):
         beta2: float = 0.95,
         compile: bool = False,
         peak_flops: float | None = None,
+        **model,
     ):
         """A GPT and how it is optimized.
 
         Args:
-            vocab_size: Number of token ids; must match the tokenizer (50257 for gpt2).
-            context_length: Most tokens per window; the data's max_length follows it.
-            emb_dim: Width of the residual stream.
-            n_heads: Attention heads per layer; must divide emb_dim.
-            n_layers: Transformer blocks.
-            drop_rate: Dropout on embeddings, attention weights and residual branches.
-            qkv_bias: Bias in the query, key and value projections.
-            n_kv_heads: Key/value heads for grouped-query attention (None: one per head).
-            window_size: Sliding-window attention span (None: full causal attention).
-            tie_weights: Share the token embedding with the output head.
-            tokenizer: tiktoken encoding name; "gpt2" works offline.
+            tokenizer: tiktoken encoding name; "gpt2" works offline. The model's vocab_size is
+                this tokenizer's number of ids.
             init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
                 weights start a new run, for fine-tuning; the model settings must match
                 its config.json, except that a shorter context_length keeps the first
                 context_length position embeddings. Ignored when resuming a checkpoint.
             learning_rate: Peak learning rate, reached after warmup.
             min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
-            warmup_steps: Optimizer steps of linear warmup from 0.
+            warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
             weight_decay: AdamW weight decay, on matrices and embeddings only.
             beta1: AdamW beta1.
             beta2: AdamW beta2.
             compile: Compile the model with torch.compile.
             peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
                 measures the CPU's fp32 matmul rate once at start.
+            **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
+                GPTConfig's defaults; the command line's defaults come from the default run
+                config. vocab_size is not one of them: it follows the tokenizer.
         """
         super().__init__()
         self.save_hyperparameters()
-        hp = self.hparams
         _check_range("learning_rate", learning_rate, 1e-12, math.inf)
         _check_range("warmup_steps", warmup_steps, 0, math.inf)
         _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
         _check_range("weight_decay", weight_decay, 0.0, math.inf)
-        self.cfg = GPTConfig(**{name: hp[name] for name in GPTConfig.__dataclass_fields__})
+        self.cfg = GPTConfig(vocab_size=get_tokenizer(tokenizer).n_vocab, **model)
         self.model = GPTModel(self.cfg)
         self._flops_per_token = flops_per_token(self.cfg)
         self._last_step_time: float | None = None
@@ -102,12 +87,6 @@ class GPTLitModule(L.LightningModule):
             self.model.compile()  # in place: parameter names (checkpoints) do not change
 
     def setup(self, stage: str):
-        n_vocab = get_tokenizer(self.hparams.tokenizer).n_vocab
-        if n_vocab > self.cfg.vocab_size:
-            raise ValueError(
-                f"model.vocab_size={self.cfg.vocab_size} is smaller than tokenizer "
-                f"{self.hparams.tokenizer!r}'s {n_vocab} ids; set --model.vocab_size {n_vocab}"
-            )
         if self._peak_flops is None:
             self._peak_flops = peak_flops_of(self.device)
         if stage == "fit" and self.hparams.init_from and not self.trainer.ckpt_path:
@@ -118,8 +97,9 @@ class GPTLitModule(L.LightningModule):
         from gptmini.convert import load_hf
 
         pretrained = load_hf(directory)
-        theirs, ours = pretrained.cfg, self.cfg
-        shape_fields = ("vocab_size", "emb_dim", "n_heads", "n_layers", "qkv_bias", "tie_weights")
+        theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
+        shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
+                        "qkv_bias", "tie_weights")
         differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
         if ours.context_length > theirs.context_length:
             differ.append("context_length")
@@ -215,14 +195,15 @@ class GPTLitModule(L.LightningModule):
     # random number generators (dropout) are ours to carry.
 
     def on_save_checkpoint(self, checkpoint: dict):
+        checkpoint["model_config"] = self.cfg.to_dict()  # rebuilds the model without us
         checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict):
-        saved = checkpoint.get("hyper_parameters", {})
-        shape_fields = [f for f in GPTConfig.__dataclass_fields__ if f != "drop_rate"]
-        differ = [f for f in shape_fields if f in saved and saved[f] != getattr(self.cfg, f)]
+        saved = model_config(checkpoint, self.cfg.vocab_size).to_dict()
+        shape_fields = [f for f in saved if f != "drop_rate"]
+        differ = [f for f in shape_fields if saved[f] != getattr(self.cfg, f)]
         if differ:
             diffs = ", ".join(
                 f"{f}={saved[f]!r} there, {getattr(self.cfg, f)!r} here" for f in differ

@@ -6,7 +6,7 @@ linear output head. Imports only torch, so the model can be lifted into any trai
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ class GPTConfig:
     """Architecture of a GPT model, with the book's field names."""
 
     vocab_size: int = 50257
-    """Number of token ids; 50257 for GPT-2's BPE."""
+    """Number of token ids the tokenizer has; 50257 for GPT-2's BPE."""
     context_length: int = 1024
     """Most tokens the model sees at once (size of the position embedding)."""
     emb_dim: int = 768
@@ -49,6 +49,9 @@ class GPTConfig:
     """Sliding-window attention: each token sees this many most recent tokens; None = all."""
     tie_weights: bool = False
     """Share the token embedding with the output head (GPT-2 does; the book does not)."""
+    padded_vocab_size: int | None = None
+    """Width of the embedding and output head, if wider than vocab_size (e.g. 50304, a multiple
+    of 64, for faster matmuls); the ids past vocab_size are never predicted. None: vocab_size."""
 
     def __post_init__(self):
         def need(ok: bool, field: str, fix: str):
@@ -78,6 +81,38 @@ class GPTConfig:
                 "window_size",
                 "use a positive integer, or None for full causal attention",
             )
+        if self.padded_vocab_size is not None:
+            need(
+                isinstance(self.padded_vocab_size, int)
+                and self.padded_vocab_size >= self.vocab_size,
+                "padded_vocab_size",
+                f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), or "
+                "None for no padding",
+            )
+
+    @property
+    def vocab_width(self) -> int:
+        """Rows of the token embedding and the output head: padded_vocab_size or vocab_size."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def fit_vocab(self, n_vocab: int) -> "GPTConfig":
+        """This config for a tokenizer of `n_vocab` ids, with the same weight shapes.
+
+        A vocab_size wider than the tokenizer (checkpoints from before padded_vocab_size
+        existed, Hugging Face models with padded embeddings) is padding: it becomes
+        padded_vocab_size, and vocab_size the tokenizer's count.
+
+        Raises:
+            ValueError: the model has fewer ids than the tokenizer.
+        """
+        if n_vocab > self.vocab_size:
+            raise ValueError(
+                f"the model has vocab_size={self.vocab_size} but its tokenizer has {n_vocab} "
+                "ids; it was trained with another tokenizer"
+            )
+        if n_vocab == self.vocab_size:
+            return self
+        return replace(self, vocab_size=n_vocab, padded_vocab_size=self.vocab_width)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -176,12 +211,12 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.tok_emb = nn.Embedding(cfg.vocab_width, cfg.emb_dim)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         self.final_norm = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
         self.apply(self._init_weights)
         # GPT-2 scales the projections that write into the residual stream by
         # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth.
@@ -246,7 +281,10 @@ class GPTModel(nn.Module):
             if return_weights:
                 x, weights = x
                 all_weights.append(weights)
-        logits = self.out_head(self.final_norm(x))
+        logits = self.out_head(self.final_norm(x))  # (b, num_tokens, vocab_width)
+        if self.cfg.vocab_width > self.cfg.vocab_size:
+            # Padding ids are not tokens: no logit for them, so nothing can sample them.
+            logits = logits[..., : self.cfg.vocab_size]  # (b, num_tokens, vocab_size)
         return (logits, all_weights) if return_weights else logits
 
     def new_kv_caches(self) -> list[KVCache]:
@@ -278,6 +316,6 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
     d, n_layers = cfg.emb_dim, cfg.n_layers
     kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
     per_layer = d * d + 2 * d * kv_dim + d * d + 8 * d * d  # q, k, v, out_proj, feed-forward
-    matmul_weights = n_layers * per_layer + d * cfg.vocab_size
+    matmul_weights = n_layers * per_layer + d * cfg.vocab_width
     attention = 12 * n_layers * d * seq_len
     return 6 * matmul_weights + attention

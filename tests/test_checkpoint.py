@@ -9,7 +9,7 @@ from gptmini.model import GPTConfig, GPTModel
 
 
 def make_model(**overrides) -> GPTModel:
-    cfg = {"vocab_size": 64, "context_length": 16, "emb_dim": 16, "n_heads": 2,
+    cfg = {"vocab_size": 50257, "context_length": 16, "emb_dim": 16, "n_heads": 2,
            "n_layers": 2, "drop_rate": 0.0, **overrides}
     return GPTModel(GPTConfig(**cfg))
 
@@ -50,8 +50,8 @@ def test_roundtrip_rebuilds_model_tokenizer_and_hyper_parameters(tmp_path, overr
     loaded, tokenizer, hparams = load_checkpoint(path)
     assert_same_weights(loaded, model)
     assert loaded.cfg == model.cfg and not loaded.training
-    assert tokenizer == "gpt2" and hparams["learning_rate"] == 3e-4
-    idx = torch.randint(0, 64, (1, 5))
+    assert tokenizer.name == "gpt2" and hparams["learning_rate"] == 3e-4
+    idx = torch.randint(0, 50257, (1, 5))
     torch.testing.assert_close(loaded(idx), model.eval()(idx))
     if model.cfg.tie_weights:
         assert loaded.out_head.weight is loaded.tok_emb.weight
@@ -74,14 +74,14 @@ def test_map_location_and_hf_directory(tmp_path):
     assert loaded.tok_emb.weight.device.type == "cpu"
     hf_model, tokenizer, hparams = load_checkpoint(export_hf(model, tmp_path / "hf"))
     assert_same_weights(hf_model, model)
-    assert tokenizer == "gpt2" and hparams["emb_dim"] == 16
+    assert tokenizer.name == "gpt2" and hparams["emb_dim"] == 16
 
 
 def test_checkpoint_from_a_real_lightning_trainer(tmp_path):
     import lightning as L  # noqa: N812 - Lightning's own convention
 
     class Module(L.LightningModule):
-        def __init__(self, vocab_size=64, context_length=16, emb_dim=16, n_heads=2,
+        def __init__(self, vocab_size=50257, context_length=16, emb_dim=16, n_heads=2,
                      n_layers=2, drop_rate=0.0, tokenizer="gpt2", learning_rate=1e-3):
             super().__init__()
             self.save_hyperparameters()
@@ -106,7 +106,7 @@ def test_checkpoint_from_a_real_lightning_trainer(tmp_path):
     trainer.save_checkpoint(tmp_path / "real.ckpt")
     loaded, tokenizer, hparams = load_checkpoint(tmp_path / "real.ckpt")
     assert_same_weights(loaded, module.model)
-    assert tokenizer == "gpt2" and hparams["learning_rate"] == 1e-3
+    assert tokenizer.name == "gpt2" and hparams["learning_rate"] == 1e-3
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -158,4 +158,20 @@ def test_weights_that_do_not_fit_the_config(tmp_path):
     ckpt = lightning_dict(make_model(), emb_dim=32)  # hyper_parameters say 32, weights are 16
     torch.save(ckpt, tmp_path / "c.ckpt")
     with pytest.raises(ValueError, match="do not match the model .* size mismatch"):
+        load_checkpoint(tmp_path / "c.ckpt")
+
+
+def test_a_checkpoint_with_a_wide_vocab_size_loads_as_padded(tmp_path):
+    """Before padded_vocab_size, configs padded vocab_size itself (50304 for gpt2)."""
+    model = make_model(vocab_size=50304)
+    torch.save(lightning_dict(model), tmp_path / "old.ckpt")
+    loaded, tokenizer, _ = load_checkpoint(tmp_path / "old.ckpt")
+    assert (loaded.cfg.vocab_size, loaded.cfg.padded_vocab_size) == (tokenizer.n_vocab, 50304)
+    assert_same_weights(loaded, model)
+    assert loaded(torch.zeros(1, 3, dtype=torch.long)).shape[-1] == 50257
+
+
+def test_a_model_with_fewer_ids_than_its_tokenizer_is_refused(tmp_path):
+    torch.save(lightning_dict(make_model(vocab_size=64)), tmp_path / "c.ckpt")
+    with pytest.raises(ValueError, match="vocab_size=64 but its tokenizer has 50257 ids"):
         load_checkpoint(tmp_path / "c.ckpt")

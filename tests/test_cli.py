@@ -118,3 +118,14 @@ def test_attention_command_on_a_hugging_face_directory(tmp_path, capsys):
     assert visualize_main(["attention", "--hf", str(tmp_path / "hf"), "--prompt", PROMPT,
                            "--layer", "0", "--all_heads", "--out", str(out)]) == 0
     assert png_size(out)[0] > 0 and "layer 0, all heads" in capsys.readouterr().out
+
+
+def test_a_padded_vocabulary_never_samples_an_id_the_tokenizer_lacks(tmp_path, capsys):
+    """The defect: --model.vocab_size 50304 let generate.py draw id 50300 (a KeyError)."""
+    model = make_model(vocab_size=50304, context_length=32)  # saved as old configs did
+    with torch.no_grad():
+        model.out_head.weight[50257:] = 50.0 * model.out_head.weight[50257:].sign()
+    path = save_checkpoint(model, tmp_path / "wide.ckpt")
+    out = run_main(capsys, "--checkpoint", path, "--temperature", 5, "--num_samples", 64,
+                   "--max_new_tokens", 4, "--seed", 0)
+    assert out.count("--- sample") == 64

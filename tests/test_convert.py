@@ -103,16 +103,20 @@ def test_export_loads_in_transformers_with_the_same_outputs(tmp_path, overrides)
     assert_parity(ours, hf)
 
 
-def test_export_a_checkpoint_path_and_roundtrip(tmp_path):
-    ours = make_model(qkv_bias=True, tie_weights=True)
+@pytest.mark.parametrize("padded", [None, 50304])
+def test_export_a_checkpoint_and_load_it_back(tmp_path, padded):
+    ours = make_model(vocab_size=50257, padded_vocab_size=padded, qkv_bias=True,
+                      tie_weights=True)
     torch.save(
         {"state_dict": {f"model.{k}": v for k, v in ours.state_dict().items()},
          "hyper_parameters": {**ours.cfg.to_dict(), "tokenizer": "gpt2"}},
         tmp_path / "run.ckpt",
     )
-    directory = export_hf(tmp_path / "run.ckpt", tmp_path / "hf")
-    back = load_checkpoint(directory)[0]
-    assert back.cfg == ours.cfg
+    directory = export_hf(load_checkpoint(tmp_path / "run.ckpt").model, tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    assert config["vocab_size"] == (padded or 50257)  # the embedding's rows
+    back = load_checkpoint(directory).model
+    assert back.cfg == ours.cfg  # padding is known as padding again
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in ours.state_dict().items())
 
 

@@ -8,7 +8,7 @@ from gptmini.convert import export_hf
 from gptmini.lit_module import GPTLitModule, lr_factor, measure_matmul_flops
 from gptmini.model import GPTConfig, GPTModel
 
-TINY = dict(vocab_size=50257, context_length=16, emb_dim=16, n_heads=2, n_layers=2,
+TINY = dict(context_length=16, emb_dim=16, n_heads=2, n_layers=2,
             drop_rate=0.0, peak_flops=1e9)
 
 
@@ -111,14 +111,14 @@ def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():
     assert 1e8 < flops < 1e14
 
 
-PRETRAINED = dict(vocab_size=50257, context_length=32, emb_dim=16, n_heads=2, n_layers=2,
+PRETRAINED = dict(context_length=32, emb_dim=16, n_heads=2, n_layers=2,
                   drop_rate=0.0, qkv_bias=True, tie_weights=True)
 
 
 def _exported_gpt2(tmp_path) -> GPTModel:
     """A small random GPT-2 written in the Hugging Face layout, as a downloaded one would be."""
     torch.manual_seed(5)
-    model = GPTModel(GPTConfig(**PRETRAINED)).eval()
+    model = GPTModel(GPTConfig(vocab_size=50257, **PRETRAINED)).eval()
     export_hf(model, tmp_path / "gpt2")
     return model
 

@@ -190,3 +190,26 @@ def test_multihead_attention_loads_a_state_dict_with_the_books_mask_buffer():
     other.load_state_dict(book_state, strict=True)
     x = torch.randn(1, 6, 4)
     assert torch.equal(other(x), ours(x))
+
+
+def test_padded_vocabulary_widens_the_weights_but_logits_cover_only_real_ids(tiny_config):
+    cfg = GPTConfig(**{**tiny_config.to_dict(), "padded_vocab_size": 128, "tie_weights": True})
+    model = GPTModel(cfg).eval()
+    assert model.tok_emb.weight.shape == model.out_head.weight.shape == (128, 16)
+    logits = model(torch.randint(0, 64, (2, 5)))
+    assert logits.shape == (2, 5, 64)
+    full = model.out_head(model.final_norm(model.trf_blocks[-1](
+        model.trf_blocks[0](model.tok_emb(torch.zeros(1, 1, dtype=torch.long))
+                            + model.pos_emb(torch.zeros(1, dtype=torch.long))))))
+    assert full.shape[-1] == 128  # the head computes the padded width; forward drops it
+    with pytest.raises(ValueError, match="padded_vocab_size=32 is invalid: use at least"):
+        GPTConfig(**{**tiny_config.to_dict(), "padded_vocab_size": 32})
+
+
+def test_fit_vocab_names_a_wide_vocabulary_as_padding(tiny_config):
+    wide = GPTConfig(**{**tiny_config.to_dict(), "vocab_size": 128})
+    fitted = wide.fit_vocab(64)
+    assert (fitted.vocab_size, fitted.padded_vocab_size, fitted.vocab_width) == (64, 128, 128)
+    assert wide.fit_vocab(128) is wide
+    with pytest.raises(ValueError, match="its tokenizer has 200 ids"):
+        wide.fit_vocab(200)

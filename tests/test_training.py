@@ -12,9 +12,11 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+import gptmini
 from gptmini.data import GPTDataModule
 from gptmini.lit_module import GPTLitModule
-from gptmini.training import build_cli, fit, main
+from gptmini.model import GPTConfig
+from gptmini.training import DEFAULT_CONFIG, build_cli, fit, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -260,23 +262,47 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
         GPTLitModule(**{**printed["model"], "peak_flops": 1.0})
     GPTDataModule(**printed["data"], max_length=printed["model"]["context_length"])
 
-def test_no_arguments_means_the_cpu_default_config(capsys):
-    with pytest.raises(SystemExit):
-        build_cli(["--print_config"])
+def print_config(capsys, *args: str) -> dict:
     import yaml
 
-    default = yaml.safe_load(capsys.readouterr().out)
     with pytest.raises(SystemExit):
-        build_cli(["--config", str(REPO / "configs" / "shakespeare-cpu.yaml"), "--print_config"])
-    from_file = yaml.safe_load(capsys.readouterr().out)
-    for section in ("model", "data"):
-        assert default[section] == from_file[section], section
-    written = yaml.safe_load((REPO / "configs" / "shakespeare-cpu.yaml").read_text())
-    for key, value in written["trainer"].items():
-        assert default["trainer"][key] == value, f"trainer.{key}"
-    for key in ("run_name", "seed_everything", "checkpoint_every", "sample_every"):
-        assert default[key] == written[key], key
+        build_cli([*args, "--print_config"])
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys, tmp_path):
+    import yaml
+
+    assert DEFAULT_CONFIG.parent.parent == Path(gptmini.__file__).parent  # package data
+    written = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    default = print_config(capsys)
+    for key, value in written.items():
+        if isinstance(value, dict):
+            for field, setting in value.items():
+                assert default[key][field] == setting, f"{key}.{field}"
+        else:
+            assert default[key] == value, key
     assert default["data"]["source"] is None  # the embedded corpus
+    # What the default run leaves unset comes from GPTConfig, the one place model fields live.
+    book = GPTConfig()
+    for field in ("qkv_bias", "n_kv_heads", "window_size", "padded_vocab_size"):
+        assert field not in written["model"] and default["model"][field] == getattr(book, field)
+    # A config of one's own applies on top of the default run.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("model:\n  n_layers: 2\n")
+    on_top = print_config(capsys, "--config", str(mine))
+    assert on_top["model"] == {**default["model"], "n_layers": 2}
+
+
+def test_the_module_declares_no_model_field_of_its_own():
+    import inspect
+
+    declared = set(inspect.signature(GPTLitModule).parameters)
+    assert not declared & set(GPTConfig.__dataclass_fields__)
+    module = GPTLitModule(n_layers=1, emb_dim=8, n_heads=2, context_length=8, peak_flops=1.0)
+    assert module.cfg == GPTConfig(vocab_size=50257, n_layers=1, emb_dim=8, n_heads=2,
+                                   context_length=8)  # the rest: GPTConfig's defaults
+
 
 def test_unknown_option_names_the_key_and_suggests_the_close_one():
     with pytest.raises(SystemExit, match=r"unknown option --model.n_layer; did you mean "
