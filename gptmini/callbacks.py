@@ -12,7 +12,36 @@ from gptmini.lit_module import GPTLitModule
 from gptmini.plots import _require_matplotlib, attention_weights, plot_attention
 
 
-class SampleCallback(Callback):
+class EveryNSteps(Callback):
+    """The one guard of callbacks that act every `every_n_steps` optimizer steps, on rank 0.
+
+    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation
+    several micro-batches share one `global_step`. `due` is true only at the batch whose
+    optimizer step just moved `global_step` to a multiple of `every_n_steps`: once per
+    step, never for the micro-batches before the first step, and never again for the step
+    a resumed run starts from (it was acted on before the checkpoint).
+    """
+
+    def __init__(self, every_n_steps: int):
+        self.every_n_steps = every_n_steps
+        self._seen_step: int | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
+        self._seen_step = trainer.global_step  # after a resume: the restored step
+
+    def due(self, trainer: Trainer) -> bool:
+        step, seen = trainer.global_step, self._seen_step
+        self._seen_step = step
+        stepped = step != seen and step > 0
+        return (
+            stepped
+            and self.every_n_steps > 0
+            and step % self.every_n_steps == 0
+            and trainer.is_global_zero
+        )
+
+
+class SampleCallback(EveryNSteps):
     """Every `every_n_steps`, continue a fixed prompt and log the text.
 
     Printed to the console, and added to a wandb table when wandb logs the run. Sampling
@@ -20,14 +49,14 @@ class SampleCallback(Callback):
     """
 
     def __init__(self, every_n_steps: int = 200, prompt: str = "ROMEO:", max_new_tokens: int = 40):
-        self.every_n_steps = every_n_steps
+        super().__init__(every_n_steps)
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        step = trainer.global_step
-        if self.every_n_steps <= 0 or step % self.every_n_steps or not trainer.is_global_zero:
+        if not self.due(trainer):
             return
+        step = trainer.global_step
         text = sample_text(pl_module, self.prompt, self.max_new_tokens)
         print(f"\n[step {step}] {text!r}", flush=True)
         for logger in trainer.loggers:
@@ -78,7 +107,7 @@ def progress_bar() -> Callback:
     return ProgressBar()
 
 
-class AttentionMapCallback(Callback):
+class AttentionMapCallback(EveryNSteps):
     """Every `every_n_steps` optimizer steps, draw all heads of one layer on a fixed prompt.
 
     The PNG goes to `<log_dir>/attention/step_N.png` (the CSV logger's version folder, or
@@ -100,11 +129,10 @@ class AttentionMapCallback(Callback):
         prompt: str = "ROMEO: But soft, what light",
         layer: int = -1,
     ):
-        self.every_n_steps = every_n_steps
+        super().__init__(every_n_steps)
         self.prompt = prompt
         self.layer = layer
         self._disabled = every_n_steps <= 0
-        self._last_step: int | None = None
 
     def _disable(self, reason: str):
         warnings.warn(f"AttentionMapCallback: {reason}; no attention maps", stacklevel=2)
@@ -131,16 +159,9 @@ class AttentionMapCallback(Callback):
             return self._disable(f"layer {self.layer} is out of range for {cfg.n_layers} layers")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        step = trainer.global_step
-        if (
-            self._disabled
-            or step == 0  # with gradient accumulation, micro-batches before the first step
-            or step % self.every_n_steps
-            or step == self._last_step  # gradient accumulation: one map per optimizer step
-            or not trainer.is_global_zero
-        ):
+        if not self.due(trainer) or self._disabled:
             return
-        self._last_step = step
+        step = trainer.global_step
         path = self.draw(trainer, pl_module, step)
         from lightning.pytorch.loggers import WandbLogger
 

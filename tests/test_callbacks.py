@@ -132,3 +132,43 @@ def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
         "train/loss": 5.4321, "train/lr": 1e-4, "train/tokens_per_sec": 1180.4, "val/loss": 5.5})
     shown = progress_bar().get_metrics(trainer, None)
     assert shown == {"loss": "5.432", "lr": "1.00e-04", "tok/s": "1180", "val_loss": "5.500"}
+
+
+def test_samples_come_once_per_optimizer_step_under_gradient_accumulation(tmp_path, capsys):
+    """The defect: with accumulate_grad_batches 4 and sample_every 2, steps 0 and 2 were
+    sampled 3 and 4 times (once per micro-batch)."""
+    import lightning as L
+
+    from gptmini.callbacks import SampleCallback
+    from gptmini.lit_module import GPTLitModule
+
+    module = GPTLitModule(context_length=16, emb_dim=16, n_heads=2, n_layers=2, drop_rate=0.0,
+                          warmup_steps=1, peak_flops=1e12)
+    tokens = torch.randint(0, 50257, (40, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2
+    )
+    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=4, accelerator="cpu",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[SampleCallback(every_n_steps=2, max_new_tokens=2)])
+    trainer.fit(module, data)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[step")]
+    assert [line.split("]")[0] for line in printed] == ["[step 2", "[step 4"]
+
+
+def test_one_step_guard_fires_once_per_step_and_not_for_a_resumed_step():
+    from gptmini.callbacks import EveryNSteps
+
+    guard = EveryNSteps(every_n_steps=2)
+    trainer = SimpleNamespace(global_step=10, is_global_zero=True)
+    guard.on_train_start(trainer, None)  # resumed at step 10, already acted on before
+    fired = []
+    for step in [10, 10, 10, 11, 11, 11, 11, 12, 12, 12, 12, 13]:  # 4 micro-batches a step
+        trainer.global_step = step
+        if guard.due(trainer):
+            fired.append(step)
+    assert fired == [12]
+    trainer.is_global_zero = False
+    trainer.global_step = 14
+    assert not guard.due(trainer)
