@@ -79,6 +79,9 @@ class GPTLitModule(L.LightningModule):
         self._last_step_time: float | None = None
         self._peak_flops = peak_flops
         self._rng_to_restore: dict | None = None
+        self.resuming = False
+        """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
+        after `setup`, which must already know not to load `init_from` (train.py sets it)."""
 
     # --- setup ------------------------------------------------------------------------
 
@@ -89,7 +92,7 @@ class GPTLitModule(L.LightningModule):
     def setup(self, stage: str):
         if self._peak_flops is None:
             self._peak_flops = peak_flops_of(self.device)
-        if stage == "fit" and self.hparams.init_from and not self.trainer.ckpt_path:
+        if stage == "fit" and self.hparams.init_from and not self.resuming:
             self.load_pretrained(self.hparams.init_from)
 
     def load_pretrained(self, directory: str):

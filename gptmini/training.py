@@ -165,6 +165,7 @@ def fit(cli: GPTCLI):
         ckpt = None
     elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
+    cli.model.resuming = ckpt is not None  # decided before setup: init_from is not read
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
 
 

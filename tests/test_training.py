@@ -329,3 +329,26 @@ def test_corpus_too_short_for_the_context(tmp_path, capsys):
     assert main(tiny_args(tmp_path, short)) == 1
     err = capsys.readouterr().err
     assert "short.txt" in err and "tokens" in err
+
+
+@pytest.mark.slow
+def test_a_fine_tuning_run_resumes_after_its_source_directory_is_gone(tmp_path, corpus):
+    """The defect: resume re-read --model.init_from, so a deleted GPT-2 directory broke it."""
+    import shutil
+
+    from gptmini.convert import export_hf
+    from gptmini.model import GPTModel
+
+    torch.manual_seed(3)
+    source = export_hf(GPTModel(GPTConfig(vocab_size=50257, context_length=16, emb_dim=32,
+                                          n_heads=2, n_layers=2, qkv_bias=True,
+                                          tie_weights=True)), tmp_path / "gpt2")
+    args = tiny_args(tmp_path, corpus, "--model.init_from", str(source), "--model.qkv_bias",
+                     "true", "--trainer.max_steps", "4", "--checkpoint_every", "2",
+                     "--model.warmup_steps", "1")
+    assert main(args) == 0
+    shutil.rmtree(source)
+    assert main([*args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
+    ckpt = torch.load(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt",
+                      weights_only=True)
+    assert ckpt["global_step"] == 6
