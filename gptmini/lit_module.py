@@ -3,6 +3,7 @@
 import math
 import random
 import time
+import warnings
 
 import lightning as L
 import torch
@@ -246,13 +247,16 @@ class GPTLitModule(L.LightningModule):
         total = self.trainer.max_steps
         if total is None or total < 0:
             total = int(self.trainer.estimated_stepping_batches)
-        if hp.warmup_steps > total:
-            raise ValueError(
-                f"model.warmup_steps={hp.warmup_steps} is longer than the run "
-                f"({total} optimizer steps); lower warmup_steps or raise trainer.max_steps"
+        warmup = hp.warmup_steps
+        if warmup > total:  # a short trial run (fast_dev_run, a few max_steps)
+            warnings.warn(
+                f"model.warmup_steps={warmup} is longer than the run ({total} optimizer "
+                f"steps); warming up over all {total} instead",
+                stacklevel=2,
             )
+            warmup = total
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.min_lr_ratio)
+            optimizer, lambda step: lr_factor(step, warmup, total, hp.min_lr_ratio)
         )
         return {
             "optimizer": optimizer,

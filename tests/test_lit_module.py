@@ -48,11 +48,14 @@ def test_invalid_hyperparameters_name_the_field(override, message):
         GPTLitModule(**{**TINY, **override})
 
 
-def test_warmup_longer_than_the_run_is_refused():
+def test_warmup_longer_than_the_run_is_clamped_to_the_run_with_a_warning():
     module = GPTLitModule(**{**TINY, "warmup_steps": 200})
     module.trainer = type("T", (), {"max_steps": 100, "estimated_stepping_batches": 100})()
-    with pytest.raises(ValueError, match="warmup_steps=200 is longer than the run"):
-        module.configure_optimizers()
+    with pytest.warns(UserWarning, match="warmup_steps=200 is longer than the run .100"):
+        schedule = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    factors = [schedule.lr_lambdas[0](s) for s in (0, 99, 100)]
+    assert factors == [pytest.approx(lr_factor(s, 100, 100, 0.1)) for s in (0, 99, 100)]
+    assert factors[1] == pytest.approx(1.0)  # warmed up exactly at the run's last step
 
 
 def test_nan_loss_stops_with_the_step_named():
