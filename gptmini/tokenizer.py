@@ -7,6 +7,7 @@ through tiktoken, which may download them.
 """
 
 import hashlib
+import json
 from functools import cache
 from pathlib import Path
 
@@ -68,3 +69,21 @@ def _gpt2_offline() -> tiktoken.Encoding:
         special_tokens={END_OF_TEXT: len(ranks)},
         explicit_n_vocab=len(ranks) + 1,
     )
+
+
+@cache
+def tokenizer_fingerprint(enc: tiktoken.Encoding) -> str:
+    """A short hash of what `enc` does, not of its name: split pattern, merges, specials.
+
+    Token caches are keyed by it, so tokens made by one vocabulary are never read under
+    another, whatever the names. Read through tiktoken's pickling protocol, which holds an
+    encoding's whole definition (a registered encoding is defined by its name).
+    """
+    state = enc.__getstate__()
+    if isinstance(state, str):
+        content = state
+    else:
+        ranks = sorted((rank, token.hex()) for token, rank in state["mergeable_ranks"].items())
+        specials = sorted(state["special_tokens"].items())
+        content = json.dumps([state["pat_str"], ranks, specials])
+    return hashlib.sha256(content.encode()).hexdigest()[:16]

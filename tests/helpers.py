@@ -1,11 +1,5 @@
 """Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
 
-
-
-
-
-
-
 import csv
 import struct
 from pathlib import Path

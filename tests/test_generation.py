@@ -1,8 +1,5 @@
 """Sampling, generate() and the KV cache: the book's function and what it grew into."""
 
-
-
-
 import pytest
 import torch
 from helpers import make_model

@@ -1,7 +1,5 @@
 """Attention weights, heatmaps and training curves as pictures."""
 
-
-
 import pytest
 import torch
 from helpers import PROMPT, png_size, tiny

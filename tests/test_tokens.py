@@ -1,12 +1,12 @@
 """The token cache: splits, hits and misses, parallel tokenizing, empty corpora."""
 
-
-
 import json
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tiktoken
 from helpers import ENC, joined, tokens_of, words
 
 import gptmini.data.tokens as tokens_module
@@ -62,11 +62,63 @@ def test_cache_hit_on_second_run_and_miss_when_source_or_tokenizer_changes(
     changed, hit = run()
     assert not hit and changed.directory != first.directory
     assert changed.load("train").tolist() == ENC.encode_ordinary(words(101, 0))
-    # a second tokenizer (same vocabulary, other name): tiktoken's others need a download
+    # The tokenizer counts by what it does, not by its name: the same vocabulary under
+    # another name reuses the tokens; another vocabulary under the same name does not.
     monkeypatch.setattr(tokens_module, "get_tokenizer", lambda name="gpt2": get_tokenizer("gpt2"))
-    other, hit = run("gpt2-copy")
+    renamed, hit = run("gpt2-copy")
+    assert hit and renamed.directory == changed.directory
+    monkeypatch.setattr(tokens_module, "get_tokenizer", lambda name="gpt2": gpt2_plus_a_special())
+    other, hit = run("gpt2")
     assert not hit and other.directory != changed.directory
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 3  # no temporary leftovers
+
+
+def gpt2_plus_a_special() -> tiktoken.Encoding:
+    """GPT-2's vocabulary with one more special token: another tokenizer, named "gpt2"."""
+    state = get_tokenizer("gpt2").__getstate__()
+    specials = {**state["special_tokens"], "<|pad|>": 50257}
+    return tiktoken.Encoding(name="gpt2", pat_str=state["pat_str"],
+                             mergeable_ranks=state["mergeable_ranks"], special_tokens=specials)
+
+
+def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(tmp_path, monkeypatch):
+    """The defect: the key had no revision, so a new upstream revision was served stale."""
+    import datasets
+
+    upstream = {"commit": "a" * 40}
+    looked_up, read_at = [], []
+
+    def builder(name, config=None, revision=None):
+        looked_up.append(revision)
+        return SimpleNamespace(hash=upstream["commit"])  # what datasets resolves, or cached
+
+    def load(name, config=None, split=None, revision=None, streaming=False):
+        read_at.append(revision)
+        return datasets.Dataset.from_dict({"text": [f"commit {revision[:6]}. " + words(30, 0)]})
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", builder)
+    monkeypatch.setattr(datasets, "load_dataset", load)
+
+    def tokenize(**kwargs):
+        spec = resolve_source("someone/corpus", **kwargs)
+        return tokenize_corpus(spec, cache_dir=tmp_path, quiet=True)
+
+    first, again = tokenize(), tokenize()
+    assert again.directory == first.directory and read_at == ["a" * 40]  # a hit: not re-read
+    upstream["commit"] = "b" * 40
+    newer = tokenize()
+    assert newer.directory != first.directory and read_at[-1] == "b" * 40
+    assert ENC.decode(newer.load("train")[:6].tolist()).startswith("commit bbbbbb.")
+    assert looked_up == [None, None, None]
+    pinned = tokenize(hub_revision="a" * 40)  # a commit hash needs no lookup
+    assert pinned.directory == first.directory and looked_up == [None, None, None]
+
+    def offline(name, config=None, revision=None):
+        raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (offline)")
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", offline)
+    with pytest.raises(ConnectionError, match="which revision .* --data.hub_revision"):
+        tokenize(hub_revision="main")
 
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("")

@@ -1,9 +1,5 @@
 """Sliding windows against the book's GPTDatasetV1, and the resumable sampler."""
 
-
-
-
-
 import pickle
 
 import numpy as np

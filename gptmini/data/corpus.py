@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,6 +46,8 @@ class CorpusSpec:
     hub_name: str | None = None
     hub_config: str | None = None
     hub_split: str = "train"
+    hub_revision: str | None = None
+    """A branch, tag or commit of the hub dataset; `pin_revision` turns it into a commit."""
     text_field: str = "text"
     """Column holding the text, for json/jsonl/parquet files and hub datasets."""
     streaming: bool = False
@@ -57,7 +59,8 @@ class CorpusSpec:
         """What the token cache is keyed on: changes whenever the documents may change."""
         common = {"text_field": self.text_field, "encoding_errors": self.encoding_errors}
         if self.hub_name is not None:
-            hub = {"name": self.hub_name, "config": self.hub_config, "split": self.hub_split}
+            hub = {"name": self.hub_name, "config": self.hub_config, "split": self.hub_split,
+                   "revision": self.hub_revision}
             return {"hub": hub, **common}
         if all(_builder(f) == "text" for f in self.files):
             common["text_field"] = None  # text files have no fields: do not re-tokenize for it
@@ -71,6 +74,7 @@ def resolve_source(
     text_field: str = "text",
     hub_config: str | None = None,
     hub_split: str = "train",
+    hub_revision: str | None = None,
     streaming: bool = False,
     encoding_errors: str = "strict",
 ) -> CorpusSpec:
@@ -120,6 +124,7 @@ def resolve_source(
             hub_name=text,
             hub_config=hub_config,
             hub_split=hub_split,
+            hub_revision=hub_revision,
             description=f"hub dataset {text}",
             **options,
         )
@@ -199,7 +204,11 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
     if spec.hub_name is not None:
         try:
             docs = datasets.load_dataset(
-                spec.hub_name, spec.hub_config, split=spec.hub_split, streaming=spec.streaming
+                spec.hub_name,
+                spec.hub_config,
+                split=spec.hub_split,
+                revision=spec.hub_revision,
+                streaming=spec.streaming,
             )
         except ConnectionError as err:
             raise ConnectionError(
@@ -244,6 +253,38 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
                 _select_text(docs, "text" if builder == "text" else spec.text_field, where)
             )
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def pin_revision(spec: CorpusSpec) -> CorpusSpec:
+    """The same corpus with a hub dataset's revision resolved to a commit; others unchanged.
+
+    The token cache is keyed on the commit, so a new upstream revision is tokenized again
+    instead of served from a stale cache, and the documents are read at that commit. Online
+    the hub says which commit a branch or tag is at; offline, `datasets` answers from the
+    copy it cached. A full commit hash (--data.hub_revision) needs no lookup.
+
+    Raises:
+        ConnectionError: offline, with no cached copy of the dataset to name a commit.
+    """
+    if spec.hub_name is None or (spec.hub_revision and _COMMIT.match(spec.hub_revision)):
+        return spec
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(
+            spec.hub_name, spec.hub_config, revision=spec.hub_revision
+        )
+    except (ConnectionError, FileNotFoundError) as err:
+        raise ConnectionError(
+            f"cannot tell which revision of hub dataset {spec.hub_name!r} to read: the hub is "
+            f"out of reach and datasets has no cached copy ({err}). Connect once, or pass a "
+            "commit hash with --data.hub_revision; offline, train on local files instead "
+            "(--data.source corpus.txt, a directory, or a glob like 'data/*.jsonl')"
+        ) from err
+    return replace(spec, hub_revision=builder.hash)
 
 
 def _decoded_text_files(files: list[str], errors: str, spec: CorpusSpec, cache_dir: str):

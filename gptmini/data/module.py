@@ -56,6 +56,8 @@ class GPTDataModule(L.LightningDataModule):
         val_stride: tokens between validation windows; None means max_length.
         hub_val_split: validate on this split of the hub dataset (e.g. "validation")
             instead of splitting off `val_fraction`; also the split of a hub `val_source`.
+        hub_revision: branch, tag or commit of the hub dataset (None: its main branch); the
+            token cache is keyed on the commit it resolves to.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class GPTDataModule(L.LightningDataModule):
         encoding_errors: str = "strict",
         val_stride: int | None = None,
         hub_val_split: str | None = None,
+        hub_revision: str | None = None,
     ):
         super().__init__()
         _check_positive(
@@ -95,6 +98,7 @@ class GPTDataModule(L.LightningDataModule):
         self.source, self.val_source = source, val_source
         self.val_fraction, self.text_field = val_fraction, text_field
         self.hub_config, self.hub_split, self.hub_val_split = hub_config, hub_split, hub_val_split
+        self.hub_revision = hub_revision
         self.streaming, self.tokenizer = streaming, tokenizer
         self.max_length = max_length
         self.stride = stride or max_length
@@ -115,6 +119,7 @@ class GPTDataModule(L.LightningDataModule):
             text_field=self.text_field,
             hub_config=self.hub_config,
             hub_split=split,
+            hub_revision=self.hub_revision,
             streaming=self.streaming,
             encoding_errors=self.encoding_errors,
         )

@@ -10,16 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tiktoken import Encoding
 
 from gptmini.data.corpus import (
     CorpusSpec,
     _explain_decode_errors,
     default_cache_dir,
     load_documents,
+    pin_revision,
 )
-from gptmini.tokenizer import get_tokenizer
+from gptmini.tokenizer import get_tokenizer, tokenizer_fingerprint
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed on the tokenizer's content and a hub dataset's commit
 
 _log = logging.getLogger("gptmini.data")
 if not logging.getLogger().handlers and not _log.handlers:
@@ -87,6 +89,21 @@ def _write_docs(flat: np.ndarray, lengths: np.ndarray, val: np.ndarray, train_f,
     val_f.write(flat[in_val].tobytes())
 
 
+def cache_key(spec: CorpusSpec, tokenizer: Encoding, val_fraction: float) -> dict[str, Any]:
+    """What a token file depends on, and so what names it in the cache.
+
+    The source's identity (file paths, sizes and mtimes; or a hub dataset's name, config,
+    split and commit: call `pin_revision` first), the tokenizer's content (not its name) and
+    the validation split. Anything that changes the tokens changes the key.
+    """
+    return {
+        "version": CACHE_VERSION,
+        "corpus": spec.identity(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "val_fraction": val_fraction,
+    }
+
+
 def tokenize_corpus(
     spec: CorpusSpec,
     *,
@@ -106,24 +123,21 @@ def tokenize_corpus(
     Validation: every (1 / val_fraction)-th document; a corpus with fewer documents than
     that (say, one book) gives the last `val_fraction` of its tokens instead.
 
-    The cache folder is keyed on the source identity (file paths, sizes and mtimes, or hub
-    name, config and split), the tokenizer and `val_fraction`; it is written to a temporary
-    folder and renamed into place, so an interrupted run leaves nothing half-written.
+    The cache folder is keyed by `cache_key`; it is written to a temporary folder and
+    renamed into place, so an interrupted run leaves nothing half-written.
 
     Raises:
         ValueError: the corpus holds no text, or a file is not UTF-8.
+        ConnectionError: a hub dataset whose revision cannot be looked up (offline, and
+            datasets has no copy of it).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); 0.05 keeps 5% for val")
     root = Path(cache_dir or default_cache_dir())
-    key_doc = {
-        "version": CACHE_VERSION,
-        "corpus": spec.identity(),
-        "tokenizer": tokenizer,
-        "val_fraction": val_fraction,
-    }
+    spec = pin_revision(spec)
+    key_doc = cache_key(spec, get_tokenizer(tokenizer), val_fraction)
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:16]
-    final = root / "tokens" / f"{spec.name}-{tokenizer}-{key}"
+    final = root / "tokens" / f"{spec.name}-{key}"
     cache = TokenCache(final)
     if (final / "meta.json").is_file():
         if not quiet:
@@ -187,6 +201,7 @@ def tokenize_corpus(
         meta = {
             **key_doc,
             "source": spec.description,
+            "tokenizer_name": tokenizer,
             "dtype": dtype.name,
             "eot_token": enc.eot_token,
             "documents": n_docs,
