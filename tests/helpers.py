@@ -20,9 +20,11 @@ EOT = ENC.eot_token
 
 WORDS = "the of and to in a is that for it as was with be by on not he I this".split()
 
+
 def words(n: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     return " ".join(rng.choice(WORDS, size=n))
+
 
 def joined(docs: list[str]) -> list[int]:
     """What the token file should hold: documents' ids with <|endoftext|> between them."""
@@ -32,6 +34,7 @@ def joined(docs: list[str]) -> list[int]:
             out.append(EOT)
         out += ENC.encode_ordinary(doc)
     return out
+
 
 def tokens_of(path, cache_dir, val_fraction=0.0, **kwargs) -> tuple[list[int], list[int]]:
     spec = resolve_source(str(path), **kwargs)
@@ -43,6 +46,7 @@ def make_model(**overrides) -> GPTModel:
     cfg = {"vocab_size": 64, "context_length": 16, "emb_dim": 16, "n_heads": 2,
            "n_layers": 2, "drop_rate": 0.0, **overrides}
     return GPTModel(GPTConfig(**cfg)).eval()
+
 
 def save_checkpoint(model: GPTModel, path: Path, tokenizer: str = "gpt2") -> Path:
     """What Lightning writes for the training module (see gptmini.checkpoint)."""
@@ -65,11 +69,13 @@ def save_checkpoint(model: GPTModel, path: Path, tokenizer: str = "gpt2") -> Pat
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
 
+
 def png_size(path: Path) -> tuple[int, int]:
     """(width, height) from the PNG signature and IHDR chunk."""
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
+
 
 def write_metrics(path: Path, rows: list[dict]):
     columns = ["epoch", "step", "train/grad_norm", "train/loss", "train/lr", "val/loss",

@@ -1,15 +1,10 @@
+import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.attention import (
-    KVCache,
-    MultiHeadAttention,
-    causal_mask,
-    padding_mask,
-    sliding_window_mask,
-)
+from gptmini.attention import KVCache, MultiHeadAttention
 from gptmini.reference import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -120,6 +115,8 @@ def test_self_attention_v1_equals_v2_with_transposed_weights():
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize(("b", "num_tokens", "d_in", "d_out", "heads"),
                          [(1, 1, 4, 4, 1), (2, 7, 8, 8, 2), (3, 16, 12, 24, 4), (2, 33, 32, 32, 8)])
+
+
 def test_fast_path_equals_explicit_path(qkv_bias, b, num_tokens, d_in, d_out, heads):
     mha = make_mha(d_in, d_out, 64, 0.0, heads, qkv_bias)
     fast, explicit = both_paths(mha, torch.randn(b, num_tokens, d_in))
@@ -389,9 +386,12 @@ def test_bad_input_gives_clear_errors():
     heads=st.sampled_from([1, 2, 4]),
     kv_heads_div=st.sampled_from([1, 2, 4]),
 )
-def test_mask_invariants_hold_for_random_lengths_paddings_windows(
+
+
+def test_both_paths_equal_the_loop_oracle_for_random_lengths_paddings_windows(
     data, num_tokens, window, heads, kv_heads_div
 ):
+    """Against tests/oracle.py: masks written from their definitions, a loop per position."""
     kv_heads = max(1, heads // kv_heads_div)
     b = 3
     lefts = data.draw(st.lists(st.integers(0, num_tokens), min_size=b, max_size=b))
@@ -403,18 +403,11 @@ def test_mask_invariants_hold_for_random_lengths_paddings_windows(
 
     mha = make_mha(8, 8, 16, 0.0, heads, num_kv_heads=kv_heads, window_size=window)
     x = torch.randn(b, num_tokens, 8)
-    out, weights = mha(x, mask, return_weights=True)  # (b, heads, num_tokens, num_tokens)
-    mha.use_sdpa = True
-    fast = mha(x, mask)
+    expected_mask = oracle.allowed(b, num_tokens, num_tokens, window=window, real=mask.tolist())
+    expected, expected_weights = oracle.multi_head_attention(mha, x, expected_mask)
 
-    allowed = causal_mask(num_tokens) & padding_mask(mask)
-    if window is not None:
-        allowed = allowed & sliding_window_mask(num_tokens, num_tokens, window)
-    allowed = allowed.expand_as(weights)
-    assert not weights.isnan().any() and not out.isnan().any() and not fast.isnan().any()
-    assert (weights[~allowed] == 0).all()
-    row_sums = weights.sum(-1)
-    has_keys = allowed.any(-1)
-    torch.testing.assert_close(row_sums[has_keys], torch.ones_like(row_sums[has_keys]))
-    assert (row_sums[~has_keys] == 0).all()
-    torch.testing.assert_close(fast, out, atol=1e-5, rtol=1e-5)
+    out, weights = mha(x, mask, return_weights=True)  # the explicit path
+    fast = mha(x, mask)  # scaled_dot_product_attention
+    torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.double(), expected, atol=1e-5, rtol=1e-5)

@@ -26,6 +26,7 @@ from gptmini.tokenizer import get_tokenizer
 def model() -> GPTModel:
     return GPTModel(tiny()).eval()
 
+
 @pytest.fixture
 def tokenizer():
     return get_tokenizer("gpt2")
@@ -51,6 +52,7 @@ def test_missing_matplotlib_names_the_install_command(model, tokenizer, run_dir,
         callback.on_train_batch_end(trainer, module, None, None, 0)
     assert not (tmp_path / "attention").exists()
 
+
 class RecordingWandbLogger(WandbLogger):
     """Passes isinstance(..., WandbLogger) without starting wandb."""
 
@@ -60,12 +62,14 @@ class RecordingWandbLogger(WandbLogger):
     def log_image(self, key, images, step=None, **kwargs):
         self.images.append((key, images, step))
 
+
 def fake_trainer(tmp_path: Path, model: GPTModel, loggers=()):
     trainer = SimpleNamespace(global_step=0, is_global_zero=True, loggers=list(loggers),
                               log_dir=None, default_root_dir=str(tmp_path))
     module = SimpleNamespace(model=model, hparams=SimpleNamespace(tokenizer="gpt2"),
                              device=torch.device("cpu"))
     return trainer, module
+
 
 def test_callback_logs_to_wandb_every_n_steps_without_touching_the_run(model, tmp_path):
     wandb = RecordingWandbLogger()
@@ -85,6 +89,7 @@ def test_callback_logs_to_wandb_every_n_steps_without_touching_the_run(model, tm
     assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["step_2.png",
                                                                            "step_4.png"]
 
+
 def test_callback_warns_and_stays_off_for_a_prompt_longer_than_the_context(model, tmp_path):
     trainer, module = fake_trainer(tmp_path, model)
     callback = AttentionMapCallback(every_n_steps=1, prompt="to be or not " * 20)
@@ -93,6 +98,7 @@ def test_callback_warns_and_stays_off_for_a_prompt_longer_than_the_context(model
     trainer.global_step = 1
     callback.on_train_batch_end(trainer, module, None, None, 0)
     assert not (tmp_path / "attention").exists()
+
 
 def test_callback_in_a_real_training_run_saves_maps_and_changes_nothing(tmp_path):
     import lightning as L

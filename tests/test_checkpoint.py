@@ -43,6 +43,8 @@ def assert_same_weights(a: GPTModel, b: GPTModel):
     [{}, {"n_heads": 4, "n_kv_heads": 2}, {"window_size": 4}, {"tie_weights": True},
      {"qkv_bias": True}],
 )
+
+
 def test_roundtrip_rebuilds_model_tokenizer_and_hyper_parameters(tmp_path, overrides):
     model = make_model(**overrides)
     path = tmp_path / "run.ckpt"
@@ -148,6 +150,8 @@ def test_refuses_a_checkpoint_that_needs_arbitrary_unpickling(tmp_path):
          "do not make a GPTConfig"),
     ],
 )
+
+
 def test_not_a_gptmini_checkpoint(tmp_path, edit, match):
     torch.save(edit(lightning_dict(make_model())), tmp_path / "c.ckpt")
     with pytest.raises(ValueError, match=match):

@@ -8,8 +8,10 @@ import pytest
 import torch
 from helpers import PROMPT, make_model, png_size, save_checkpoint, tiny
 
+from gptmini.checkpoint import load_checkpoint
 from gptmini.cli import generate_main, visualize_main
 from gptmini.generation import (
+    generate,
     stream_text,
 )
 from gptmini.model import GPTModel
@@ -17,14 +19,17 @@ from gptmini.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
+
 @pytest.fixture
 def checkpoint(tmp_path) -> Path:
     model = make_model(vocab_size=50257, context_length=32)
     return save_checkpoint(model, tmp_path / "tiny.ckpt")
 
+
 def run_main(capsys, *argv) -> str:
     assert generate_main([str(a) for a in argv]) == 0
     return capsys.readouterr().out
+
 
 def test_cli_greedy_continues_the_prompt(checkpoint, capsys):
     out = run_main(capsys, "--checkpoint", checkpoint, "--prompt", "ROMEO:",
@@ -34,6 +39,7 @@ def test_cli_greedy_continues_the_prompt(checkpoint, capsys):
     expected = "".join(stream_text(model, get_tokenizer("gpt2"), "ROMEO:", 8))
     assert out == "ROMEO:" + expected + "\n"
 
+
 def test_cli_stream_prints_the_same_samples_as_no_stream(checkpoint, capsys):
     argv = ["--checkpoint", checkpoint, "--prompt", "ROMEO:", "--max_new_tokens", 10,
             "--seed", 5, "--num_samples", 2, "--top_p", 0.95]
@@ -42,21 +48,39 @@ def test_cli_stream_prints_the_same_samples_as_no_stream(checkpoint, capsys):
     assert printed.count("--- sample") == 2
     assert printed != run_main(capsys, *argv[:-4], "--seed", 6, *argv[-4:])
 
-def test_cli_empty_prompt_and_prompt_file(checkpoint, tmp_path, capsys):
-    assert run_main(capsys, "--checkpoint", checkpoint, "--max_new_tokens", 3, "--seed", 0)
+
+def test_cli_empty_prompt_starts_from_end_of_text_and_prompt_file_is_read(
+    checkpoint, tmp_path, capsys
+):
+    model, tok, _ = load_checkpoint(checkpoint)
+    out = run_main(capsys, "--checkpoint", checkpoint, "--max_new_tokens", 3, "--seed", 0)
+    gen = torch.Generator().manual_seed(0)  # generate.py's defaults: temperature 0.8, top_k 200
+    expected = generate(model, torch.tensor([[tok.eot_token]]), 3, temperature=0.8, top_k=200,
+                        generator=gen)
+    assert out == tok.decode(expected[0, 1:].tolist()) + "\n"
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("JULIET:")
     out = run_main(capsys, "--checkpoint", checkpoint, "--prompt_file", prompt_file,
-                   "--max_new_tokens", 3)
-    assert out.startswith("JULIET:")
+                   "--max_new_tokens", 3, "--temperature", 0)
+    ids = tok.encode("JULIET:")
+    greedy = generate(model, torch.tensor([ids]), 3)
+    assert out == "JULIET:" + tok.decode(greedy[0, len(ids):].tolist()) + "\n"
 
-def test_cli_reads_a_hugging_face_directory(tmp_path, capsys):
+
+def test_cli_reads_a_hugging_face_directory_as_transformers_does(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
     from gptmini.convert import export_hf
 
     directory = export_hf(make_model(vocab_size=50257, context_length=32, qkv_bias=True,
                                      tie_weights=True), tmp_path / "hf")
-    out = run_main(capsys, "--hf", directory, "--prompt", "Hi", "--max_new_tokens", 4)
-    assert out.startswith("Hi")
+    out = run_main(capsys, "--hf", directory, "--prompt", "Hi", "--max_new_tokens", 4,
+                   "--temperature", 0)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+    ids = torch.tensor([get_tokenizer("gpt2").encode("Hi")])
+    greedy = hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         pad_token_id=0, attention_mask=torch.ones_like(ids))
+    assert out == "Hi" + get_tokenizer("gpt2").decode(greedy[0, ids.shape[1]:].tolist()) + "\n"
+
 
 @pytest.mark.parametrize(
     ("extra", "match"),
@@ -68,16 +92,20 @@ def test_cli_reads_a_hugging_face_directory(tmp_path, capsys):
         (["--prompt_file", "/no/such/prompt.txt"], "does not exist"),
     ],
 )
+
+
 def test_cli_bad_arguments_exit_with_a_message(checkpoint, capsys, extra, match):
     with pytest.raises(SystemExit) as exc:
         generate_main(["--checkpoint", str(checkpoint), *extra])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
 
+
 def test_cli_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate_main(["--checkpoint", str(tmp_path / "nope.ckpt")])
     assert "no checkpoint at" in capsys.readouterr().err
+
 
 def test_generate_py_script_end_to_end(checkpoint):
     result = subprocess.run(
@@ -88,12 +116,14 @@ def test_generate_py_script_end_to_end(checkpoint):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
 
+
 def test_curves_command_and_its_errors(run_dir, tmp_path, capsys):
     assert visualize_main(["curves", str(run_dir), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").is_file()
     assert visualize_main(["curves", str(tmp_path / "nothing")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no metrics under" in err
+
 
 def test_attention_command(checkpoint, tmp_path, capsys):
     out = tmp_path / "att.png"
@@ -108,6 +138,7 @@ def test_attention_command(checkpoint, tmp_path, capsys):
     assert err.count("\n") == 1 and "head 5 is out of range" in err
     assert visualize_main([*args, "--layer", "7"]) == 1
     assert "valid: 0 to 1" in capsys.readouterr().err
+
 
 def test_attention_command_on_a_hugging_face_directory(tmp_path, capsys):
     from gptmini.convert import export_hf

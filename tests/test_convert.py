@@ -91,6 +91,8 @@ def test_import_pytorch_model_bin(tmp_path):
     "overrides",
     [{"qkv_bias": True, "tie_weights": True}, {}, {"qkv_bias": False, "tie_weights": True}],
 )
+
+
 def test_export_loads_in_transformers_with_the_same_outputs(tmp_path, overrides):
     ours = make_model(**overrides)
     with torch.no_grad():  # random biases, so the export of every bias is tested
@@ -147,6 +149,8 @@ def test_config_json_fields():
     ("overrides", "match"),
     [({"n_heads": 4, "n_kv_heads": 2}, "grouped-query"), ({"window_size": 8}, "sliding-window")],
 )
+
+
 def test_export_refuses_what_gpt2_cannot_hold(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         export_hf(make_model(**overrides), tmp_path)
@@ -162,6 +166,8 @@ def test_export_refuses_what_gpt2_cannot_hold(tmp_path, overrides, match):
         ({"scale_attn_by_inverse_layer_idx": True}, "attention scaling"),
     ],
 )
+
+
 def test_import_refuses_configs_gptmodel_does_not_compute(overrides, match):
     with pytest.raises(ValueError, match=match):
         config_from_hf(transformers.GPT2Config(**overrides))

@@ -29,6 +29,7 @@ def test_embedded_corpus_loads_through_the_text_builder_from_gz(tmp_path):
     for i in (0, 17, 41):  # one document per work, decompressed, byte for byte
         assert docs[i]["text"] == gzip.decompress(files[i].read_bytes()).decode("utf-8")
 
+
 def test_text_and_markdown_files_one_document_each(tmp_path):
     docs = [words(30, 1), "# Title\n\nSome *markdown*.\n", words(20, 3)]
     for name, doc in zip(["a.txt", "b.md", "c.txt.gz"], docs, strict=True):
@@ -38,6 +39,7 @@ def test_text_and_markdown_files_one_document_each(tmp_path):
         train, val = tokens_of(source, tmp_path / "cache")
         assert train == joined(docs) and val == []
         assert train.count(EOT) == 2  # between the three documents, not after the last
+
 
 def test_json_jsonl_and_parquet_with_a_text_field(tmp_path):
     docs = [words(12, i) for i in range(5)]
@@ -49,6 +51,7 @@ def test_json_jsonl_and_parquet_with_a_text_field(tmp_path):
     for name in ("a.jsonl", "b.json", "c.parquet"):
         train, _ = tokens_of(tmp_path / name, tmp_path / "cache", text_field="body")
         assert train == joined(docs), name
+
 
 def test_streaming_reads_the_same_tokens(tmp_path):
     # The hub path (load_dataset(..., streaming=True)) exercised on local files.
@@ -69,6 +72,7 @@ def test_streaming_reads_the_same_tokens(tmp_path):
     for split in ("train", "val"):
         assert np.array_equal(kept.load(split), streamed.load(split))
 
+
 def test_missing_path_is_named_with_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"'nowhere/corpus.txt' does not exist.*embedded"):
         resolve_source("nowhere/corpus.txt")
@@ -78,6 +82,7 @@ def test_missing_path_is_named_with_the_fix(tmp_path):
         resolve_source(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         GPTDataModule(source=str(tmp_path / "gone.jsonl"), cache_dir=str(tmp_path)).prepare_data()
+
 
 @pytest.mark.parametrize("name", ["latin1.txt", "latin1.txt.gz", "latin1.jsonl"])
 def test_file_that_is_not_utf8_is_named_and_replace_works(tmp_path, name):
@@ -93,10 +98,12 @@ def test_file_that_is_not_utf8_is_named_and_replace_works(tmp_path, name):
     train, _ = tokens_of(source, tmp_path / "c", encoding_errors="replace")
     assert "caf\ufffd cr\ufffdme" in ENC.decode(train)
 
+
 def test_not_utf8_while_streaming(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"ok \xff no")
     with pytest.raises(ValueError, match=r"bad\.txt is not valid UTF-8 \(byte 0xff near offset 3"):
         tokens_of(tmp_path / "bad.txt", tmp_path / "c", streaming=True)
+
 
 def test_missing_json_field_lists_the_fields(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"body": "hello", "id": 1}\n')
@@ -104,6 +111,7 @@ def test_missing_json_field_lists_the_fields(tmp_path):
         tokens_of(tmp_path / "d.jsonl", tmp_path / "c")
     with pytest.raises(ValueError, match=r"holds Value\('int64'\), not text"):
         tokens_of(tmp_path / "d.jsonl", tmp_path / "c", text_field="id")
+
 
 def test_hub_name_offline_says_so_and_points_to_local_files(tmp_path, monkeypatch):
     import datasets

@@ -33,6 +33,7 @@ def test_a_separate_validation_source(tmp_path):
     assert torch.cat(batches).flatten().tolist() == dm.val_dataset.tokens[:72].tolist()
     assert dm.val_dataset.stride == 8 and len(dm.val_dataset) == 9
 
+
 def test_default_datamodule_trains_on_the_embedded_corpus(tmp_path):
     dm = GPTDataModule(max_length=64, batch_size=4, cache_dir=str(tmp_path))
     dm.prepare_data()
@@ -48,6 +49,7 @@ def test_default_datamodule_trains_on_the_embedded_corpus(tmp_path):
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert len(dm.val_dataset) > 0
 
+
 def test_too_short_corpus_says_how_many_tokens_it_has_and_needs(tmp_path):
     text = "To be, or not to be: that is the question."
     (tmp_path / "short.txt").write_text(text)
@@ -59,12 +61,14 @@ def test_too_short_corpus_says_how_many_tokens_it_has_and_needs(tmp_path):
     with pytest.raises(ValueError, match=rf"has {n} tokens; max_length=64 needs at least 65"):
         dm.setup("fit")
 
+
 class FakeTrainer:
     """What GPTDataModule reads from a Trainer: rank, world size, epoch, stage."""
 
     def __init__(self, rank=0, world=1):
         self.global_rank, self.world_size, self.current_epoch, self.training = rank, world, 0, True
         self.limit_train_batches = 1.0
+
 
 def small_datamodule(tmp_path, **kwargs) -> GPTDataModule:
     corpus = tmp_path / "corpus.txt"
@@ -74,6 +78,7 @@ def small_datamodule(tmp_path, **kwargs) -> GPTDataModule:
     dm = GPTDataModule(str(corpus), **{**args, **kwargs})
     dm.prepare_data()
     return dm
+
 
 def test_datamodule_shards_between_ranks(tmp_path):
     windows = []
@@ -85,6 +90,7 @@ def test_datamodule_shards_between_ranks(tmp_path):
     n = len(dm.train_dataset)
     assert not set(windows[0]) & set(windows[1])
     assert len(windows[0]) == len(windows[1]) == (n // 2) // 3 * 3
+
 
 def test_state_dict_resumes_on_the_windows_not_yet_seen(tmp_path):
     def run(dm, stop=None):
@@ -105,6 +111,7 @@ def test_state_dict_resumes_on_the_windows_not_yet_seen(tmp_path):
     second = small_datamodule(tmp_path)
     second.load_state_dict(state)
     assert head + run(second) == whole
+
 
 def test_resume_under_another_world_size_keeps_the_same_windows(tmp_path):
     # Two ranks consume 4 batches each; one rank resumes: the union of what was seen
@@ -129,6 +136,7 @@ def test_resume_under_another_world_size_keeps_the_same_windows(tmp_path):
     assert not seen & set(rest) and len(seen) == 16
     assert len(everything - seen - set(rest)) < 2  # at most the last partial batch
 
+
 class Recorder(L.LightningModule):
     """Trains nothing; writes down every batch it is given."""
 
@@ -147,6 +155,7 @@ class Recorder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
 
 def fit(tmp_path, max_steps, num_workers, ckpt_path=None, save_every=None, limit=1.0):
     dm = small_datamodule(
@@ -169,10 +178,13 @@ def fit(tmp_path, max_steps, num_workers, ckpt_path=None, save_every=None, limit
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model.seen, len(dm.train_dataloader())
 
+
 @pytest.mark.parametrize(
     ("where", "num_workers"),
     [("mid", 0), ("mid", 2), ("end", 0), ("end", 2), ("second", 0), ("limited", 2)],
 )
+
+
 def test_a_resumed_trainer_sees_exactly_the_batches_it_had_not_seen(tmp_path, where, num_workers):
     (tmp_path / "val.txt").write_text(words(60, 9))
     per_epoch = len(small_datamodule(tmp_path, batch_size=6).train_dataloader())

@@ -21,9 +21,11 @@ ARCHS = {
     "window": {"window_size": 4},
 }
 
+
 @pytest.fixture
 def model() -> GPTModel:
     return make_model()
+
 
 def test_book_signature_runs_positionally(model):
     idx = torch.randint(0, 64, (1, 6))
@@ -33,6 +35,7 @@ def test_book_signature_runs_positionally(model):
     sampled = generate(model, idx, 5, 16, 1.4, 25)  # temperature, top_k as in chapter 5
     torch.manual_seed(123)
     assert torch.equal(sampled, generate(model, idx, 5, 16, 1.4, 25))
+
 
 def test_book_generate_works_with_any_logits_module():
     class Bigram(torch.nn.Module):  # no cfg, no cache, no mask: the book's minimal contract
@@ -46,9 +49,11 @@ def test_book_generate_works_with_any_logits_module():
     out = generate(Bigram().eval(), torch.tensor([[1, 2]]), 4, context_size=3)
     assert out.shape == (1, 6)
 
+
 def test_zero_new_tokens_returns_the_prompt(model):
     idx = torch.randint(0, 64, (2, 3))
     assert torch.equal(generate(model, idx, 0), idx)
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_cache_equals_without_past_context_length(arch):
@@ -60,6 +65,7 @@ def test_greedy_with_cache_equals_without_past_context_length(arch):
     assert cached.shape == (2, 45)
     assert torch.equal(cached, recompute)
 
+
 @pytest.mark.parametrize("arch", ["mha", "window"])
 def test_cache_equals_recompute_with_a_smaller_context_size_and_long_prompt(arch):
     model = make_model(**ARCHS[arch])
@@ -70,6 +76,7 @@ def test_cache_equals_recompute_with_a_smaller_context_size_and_long_prompt(arch
             generate(model, idx, 12, context_size),
         )
 
+
 def test_cache_prefills_once_then_feeds_one_token_then_slides(model):
     lengths = []
     model.register_forward_pre_hook(lambda _m, args: lengths.append(args[0].shape[1]))
@@ -78,10 +85,12 @@ def test_cache_prefills_once_then_feeds_one_token_then_slides(model):
     # recomputed at every step.
     assert lengths == [5] + [1] * 11 + [16] * 2
 
+
 def test_cache_grows_past_its_first_buffer():
     model = make_model(context_length=160)
     idx = torch.randint(0, 64, (1, 3))  # 3 + 150 tokens: the cache buffer doubles twice
     assert torch.equal(generate(model, idx, 150, use_cache=True), generate(model, idx, 150))
+
 
 def test_sampling_with_cache_equals_without(model):
     idx = torch.randint(0, 64, (2, 4))
@@ -89,6 +98,7 @@ def test_sampling_with_cache_equals_without(model):
     assert torch.equal(
         generate(model, idx, 30, use_cache=True, **kwargs), generate(model, idx, 30, **kwargs)
     )
+
 
 def test_generation_leaves_the_model_as_it_was(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -100,10 +110,12 @@ def test_generation_leaves_the_model_as_it_was(model):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not model.training
 
+
 def test_warns_when_the_model_is_training(model):
     model.train()
     with pytest.warns(UserWarning, match="model.eval"):
         generate(model, torch.zeros(1, 1, dtype=torch.long), 2)
+
 
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -118,16 +130,19 @@ def test_batched_left_padded_prompts_equal_one_by_one(arch, use_cache):
         assert torch.equal(row[idx.shape[1]:], alone[len(prompt):])
         assert torch.equal(row[-14 - len(prompt):-14], prompt)
 
+
 def test_left_pad_layout():
     idx, mask = left_pad([[5, 6], [7]], pad_id=0)
     assert idx.tolist() == [[5, 6], [0, 7]]
     assert mask.tolist() == [[1, 1], [0, 1]]
+
 
 def test_top_k_1_equals_greedy(model):
     idx = torch.randint(0, 64, (3, 4))
     greedy = generate(model, idx, 15, use_cache=True)
     assert torch.equal(generate(model, idx, 15, temperature=1.5, top_k=1, seed=0), greedy)
     assert torch.equal(generate(model, idx, 15, temperature=1.5, top_p=1e-6, seed=0), greedy)
+
 
 def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
     idx = torch.randint(0, 64, (2, 4))
@@ -137,6 +152,7 @@ def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.equal(torch.random.get_rng_state(), state)
 
+
 def test_same_seed_repeats_and_different_seeds_differ(model):
     idx = torch.randint(0, 64, (1, 4))
     kwargs = {"temperature": 1.0, "use_cache": True}
@@ -145,6 +161,7 @@ def test_same_seed_repeats_and_different_seeds_differ(model):
     assert not torch.equal(a, generate(model, idx, 30, seed=12, **kwargs))
     gen = torch.Generator().manual_seed(11)
     assert torch.equal(a, generate(model, idx, 30, generator=gen, **kwargs))
+
 
 def test_several_samples_per_prompt(model):
     idx = torch.randint(0, 64, (2, 3))
@@ -156,6 +173,7 @@ def test_several_samples_per_prompt(model):
     greedy = generate(model, idx, 5, num_samples=2)
     assert torch.equal(greedy[0], greedy[1])
 
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     draws = {int(sample_next_token(logits, temperature=1.0, top_p=0.75,
@@ -163,8 +181,22 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
              for s in range(200)}
     assert draws == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
 
-def test_top_k_larger_than_vocab_is_fine(model):
-    generate(model, torch.zeros(1, 1, dtype=torch.long), 3, temperature=1.0, top_k=1000)
+
+def test_top_k_larger_than_the_vocabulary_samples_as_without_top_k(model):
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    for top_k in (4, 1000):  # every id stays possible, drawn exactly as without top-k
+        draws = [int(sample_next_token(logits, temperature=1.0, top_k=top_k,
+                                       generator=torch.Generator().manual_seed(s)))
+                 for s in range(200)]
+        plain = [int(sample_next_token(logits, temperature=1.0,
+                                       generator=torch.Generator().manual_seed(s)))
+                 for s in range(200)]
+        assert draws == plain and set(draws) == {0, 1, 2, 3}
+    idx = torch.randint(0, 64, (2, 3))
+    wide = generate(model, idx, 12, temperature=1.0, top_k=1000, seed=3)
+    assert torch.equal(wide, generate(model, idx, 12, temperature=1.0, seed=3))
+    assert torch.equal(wide, generate(model, idx, 12, temperature=1.0, top_k=64, seed=3))
+
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_eos_stops_like_the_book(model, use_cache):
@@ -174,6 +206,7 @@ def test_eos_stops_like_the_book(model, use_cache):
     first = int((full[0, 4:] == eos).nonzero()[0])
     out = generate(model, idx, 12, eos_id=eos, use_cache=use_cache)
     assert torch.equal(out, full[:, : 4 + first])  # the eos itself is not appended
+
 
 def test_eos_in_a_batch_pads_finished_rows_until_all_stop(model):
     prompts = [torch.randint(0, 64, (n,)) for n in (2, 5)]
@@ -188,6 +221,7 @@ def test_eos_in_a_batch_pads_finished_rows_until_all_stop(model):
     stop = int(hits[0]) if len(hits) else 10
     assert new.shape[1] == stop and torch.equal(new[1], row1[:stop])
 
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stream_yields_what_generate_returns(model, use_cache):
     idx, mask = left_pad([torch.randint(0, 64, (n,)) for n in (3, 6)])
@@ -198,6 +232,7 @@ def test_stream_yields_what_generate_returns(model, use_cache):
     out = generate(model, idx, 12, **kwargs)
     assert torch.equal(torch.stack(steps, dim=1), out[:, idx.shape[1]:])
 
+
 def test_stream_text_decodes_what_generate_returns():
     tok = get_tokenizer("gpt2")
     model = make_model(vocab_size=tok.n_vocab, context_length=32)
@@ -205,6 +240,7 @@ def test_stream_text_decodes_what_generate_returns():
     ids = tok.encode("ROMEO:")
     out = generate(model, torch.tensor([ids]), 12)
     assert "".join(pieces) == tok.decode(out[0, len(ids):].tolist())
+
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
@@ -222,12 +258,15 @@ def test_stream_text_decodes_what_generate_returns():
         ({"max_new_tokens": -1}, "max_new_tokens"),
     ],
 )
+
+
 def test_bad_input_names_the_argument_and_the_fix(model, kwargs, match):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError, match=match):
         generate(model, torch.zeros(1, 2, dtype=torch.long), **kwargs)
     with pytest.raises(ValueError, match=match):
         generate_stream(model, torch.zeros(1, 2, dtype=torch.long), **kwargs)  # no next()
+
 
 def test_bad_prompts_and_masks(model):
     with pytest.raises(ValueError, match=r"unsqueeze\(0\)"):
@@ -241,6 +280,7 @@ def test_bad_prompts_and_masks(model):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, attention_mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="at least one token"):
         left_pad([[1], []])
+
 
 @pytest.mark.slow
 def test_a_model_compiled_in_place_generates_what_it_does_eagerly():

@@ -43,6 +43,8 @@ def test_weight_decay_only_on_parameters_with_two_or_more_dimensions():
         ({"n_heads": 3}, "GPTConfig.n_heads=3 is invalid: it must divide emb_dim=16"),
     ],
 )
+
+
 def test_invalid_hyperparameters_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         GPTLitModule(**{**TINY, **override})

@@ -39,6 +39,8 @@ def test_124m_parameter_count_matches_the_book():
         ("gpt2-1558m", 1_557_611_200),
     ],
 )
+
+
 def test_gpt2_presets_have_gpt2_sizes(preset, count):
     with torch.device("meta"):
         model = GPTModel(GPTConfig.from_preset(preset))
@@ -129,6 +131,8 @@ def test_too_long_input_says_how_to_crop(tiny_config):
         ("window_size", 0, "GPTConfig.window_size=0 is invalid"),
     ],
 )
+
+
 def test_invalid_config_names_the_field_and_fix(tiny_config, field, value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("=", "=")):
         GPTConfig(**{**tiny_config.to_dict(), field: value})

@@ -20,9 +20,11 @@ from gptmini.tokenizer import get_tokenizer
 def model() -> GPTModel:
     return GPTModel(tiny()).eval()
 
+
 @pytest.fixture
 def tokenizer():
     return get_tokenizer("gpt2")
+
 
 def test_weights_are_the_models_explicit_path_weights(model, tokenizer):
     ids = tokenizer.encode(PROMPT)
@@ -51,6 +53,7 @@ def test_weights_are_the_models_explicit_path_weights(model, tokenizer):
     assert torch.equal(torch.from_numpy(image.get_array().data), weights[1])
     assert [t.get_text() for t in single.axes[0].get_xticklabels()] == labels
 
+
 @pytest.mark.parametrize("window_size", [None, 3])
 def test_rows_sum_to_one_over_allowed_keys_and_masked_keys_are_zero(tokenizer, window_size):
     model = GPTModel(tiny(window_size=window_size, drop_rate=0.5)).train()
@@ -66,6 +69,7 @@ def test_rows_sum_to_one_over_allowed_keys_and_masked_keys_are_zero(tokenizer, w
         torch.testing.assert_close(weights.sum(-1), torch.ones(2, n))  # dropout is off
     assert model.training  # the caller's mode is back
 
+
 def test_left_padding_gives_zero_rows_and_columns(model, tokenizer):
     alone, labels = attention_weights(model, tokenizer, PROMPT, 1)
     padded, padded_labels = attention_weights(model, tokenizer, PROMPT, 1, left_pad=3)
@@ -74,10 +78,12 @@ def test_left_padding_gives_zero_rows_and_columns(model, tokenizer):
     # Positions count from the first real token, so the real block is the unpadded map.
     torch.testing.assert_close(padded[:, 3:, 3:], alone)
 
+
 def test_empty_prompt_starts_from_end_of_text(model, tokenizer):
     weights, labels = attention_weights(model, tokenizer, "", 0)
     assert labels == ["<|endoftext|>"]
     assert torch.equal(weights, torch.ones(2, 1, 1))
+
 
 def test_bad_layer_head_or_prompt_gives_a_clear_error(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"layer 2 is out of range.*valid: 0 to 1"):
@@ -90,6 +96,7 @@ def test_bad_layer_head_or_prompt_gives_a_clear_error(model, tokenizer, tmp_path
     with pytest.raises(ValueError, match="context_length is 32; shorten it"):
         attention_weights(model, tokenizer, "to be or not " * 20, 0)
     assert not (tmp_path / "a.png").exists()
+
 
 def test_plot_attention_writes_a_png_of_the_expected_size(model, tokenizer, tmp_path):
     weights, labels = attention_weights(model, tokenizer, PROMPT, 0)
@@ -119,6 +126,7 @@ def test_metrics_merge_versions_and_resumed_steps_replace_the_first_attempt(run_
     assert metrics["train/lr"][0] == [10, 20, 30, 40, 50]
     assert resumes == [20]
     assert load_metrics(run_dir / "logs")[0] == metrics
+
 
 def test_plot_curves_writes_a_png(run_dir, tmp_path):
     out = plot_curves(run_dir, tmp_path / "curves.png")

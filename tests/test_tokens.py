@@ -26,6 +26,7 @@ def test_two_tokenizing_processes_write_the_same_file(tmp_path):
     assert one.meta["dtype"] == "uint16"
     assert np.array_equal(one.load("train"), two.load("train"))
 
+
 def test_validation_takes_a_fraction_of_documents(tmp_path):
     docs = [f"document {i}. " + words(10, i) for i in range(10)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -34,11 +35,13 @@ def test_validation_takes_a_fraction_of_documents(tmp_path):
     assert val == joined([docs[4], docs[9]])
     assert train == joined([d for i, d in enumerate(docs) if i not in (4, 9)])
 
+
 def test_single_document_corpora_split_by_tokens(tmp_path):
     (tmp_path / "book.txt").write_text(words(400, 0))
     train, val = tokens_of(tmp_path / "book.txt", tmp_path / "c", val_fraction=0.1)
     whole = ENC.encode_ordinary(words(400, 0))
     assert train + val == whole and len(val) == round(0.1 * len(whole))
+
 
 def test_cache_hit_on_second_run_and_miss_when_source_or_tokenizer_changes(
     tmp_path, caplog, monkeypatch
@@ -119,6 +122,7 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(tmp_path, mo
     monkeypatch.setattr(datasets, "load_dataset_builder", offline)
     with pytest.raises(ConnectionError, match="which revision .* --data.hub_revision"):
         tokenize(hub_revision="main")
+
 
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("")

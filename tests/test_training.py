@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
+
 def write_corpus(path: Path, repeats: int) -> Path:
     """A small corpus with enough structure to learn in a few dozen steps."""
     lines = [f"{name} said {word} to the {thing}." for name in ("Romeo", "Juliet", "Tybalt")
@@ -29,9 +30,11 @@ def write_corpus(path: Path, repeats: int) -> Path:
     path.write_text("\n".join(lines * repeats))
     return path
 
+
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus.txt", repeats=12)
+
 
 def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
     return [
@@ -61,6 +64,7 @@ def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
         *extra,
     ]
 
+
 def read_metrics(run: Path) -> list[dict]:
     rows = []
     for path in sorted(run.glob("logs/version_*/metrics.csv")):
@@ -68,8 +72,10 @@ def read_metrics(run: Path) -> list[dict]:
             rows += list(csv.DictReader(f))
     return rows
 
+
 def column(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
 
 @pytest.mark.slow
 def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
@@ -91,6 +97,7 @@ def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
     module = GPTLitModule(**hparams)
     module.load_state_dict(ckpt["state_dict"])
 
+
 class StopAt(Callback):
     """Simulates a run that dies after `step` optimizer steps."""
 
@@ -100,6 +107,7 @@ class StopAt(Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
 
 def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resume=False):
     args = tiny_args(tmp_path, corpus, "--run_name", name, "--model.drop_rate", "0.1",
@@ -112,6 +120,7 @@ def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resum
         cli.trainer.callbacks.append(StopAt(stop_at))
     fit(cli)
     return cli.trainer.global_step, {k: v.clone() for k, v in cli.model.state_dict().items()}
+
 
 @pytest.mark.slow
 def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corpus, capsys):
@@ -126,6 +135,7 @@ def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corp
     assert sorted(p.name for p in run.glob("logs/version_0/attention/*.png")) == [
         "step_3.png", "step_6.png"]
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
@@ -149,6 +159,7 @@ def test_resume_continues_exactly(tmp_path):
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
 
+
 class PoisonAt(Callback):
     def __init__(self, step: int):
         self.step = step
@@ -157,6 +168,7 @@ class PoisonAt(Callback):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 pl_module.model.final_norm.weight.fill_(float("nan"))
+
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus):
@@ -168,6 +180,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["global_step"] == 7
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+
 
 @pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, monkeypatch):
@@ -187,6 +200,7 @@ def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, 
     monkeypatch.undo()
     assert torch.load(last, weights_only=True)["global_step"] == 10
 
+
 @pytest.mark.slow
 def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, capsys):
     assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10")) == 0
@@ -194,6 +208,7 @@ def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, caps
     assert code == 1
     err = capsys.readouterr().err
     assert "different model (emb_dim=32 there, 64 here)" in err
+
 
 @pytest.mark.slow
 def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
@@ -215,6 +230,7 @@ import json, sys
 from lightning.pytorch import Callback
 from gptmini.training import build_cli, fit
 
+
 class Record(Callback):
     def __init__(self):
         self.windows = []
@@ -229,6 +245,7 @@ cli = build_cli(sys.argv[2:])
 cli.trainer.callbacks.append(Record())
 fit(cli)
 """
+
 
 @pytest.mark.slow
 def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
@@ -249,6 +266,7 @@ def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
     assert len(ranks[0]["windows"]) == len(ranks[1]["windows"]) == 6 * 4
     assert not seen[0] & seen[1], "both ranks trained on the same windows"
 
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -261,6 +279,7 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     with torch.device("meta"):
         GPTLitModule(**{**printed["model"], "peak_flops": 1.0})
     GPTDataModule(**printed["data"], max_length=printed["model"]["context_length"])
+
 
 def print_config(capsys, *args: str) -> dict:
     import yaml
@@ -309,6 +328,7 @@ def test_unknown_option_names_the_key_and_suggests_the_close_one():
                                          r"--model.n_layers\?"):
         build_cli(["--model.n_layer", "2"])
 
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -316,10 +336,13 @@ def test_unknown_option_names_the_key_and_suggests_the_close_one():
         (["--data.batch_size", "0"], "batch_size"),
     ],
 )
+
+
 def test_invalid_values_give_one_clear_line(tmp_path, corpus, capsys, args, message):
     assert main(tiny_args(tmp_path, corpus, *args)) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
 
 def test_corpus_too_short_for_the_context(tmp_path, capsys):
     short = tmp_path / "short.txt"
@@ -363,6 +386,8 @@ def tiny_gpt2_directory(path: Path, **shape) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [DEFAULT_CONFIG, *CONFIGS],
                          ids=["default", *(c.stem for c in CONFIGS)])
+
+
 def test_fast_dev_run_works_on_every_shipped_config(tmp_path, corpus, config):
     """The defect: warmup_steps=60 is longer than the run (1 step) ended every fast_dev_run."""
     args = ["--config", str(config), "--trainer.fast_dev_run", "true",

@@ -34,12 +34,15 @@ class BookGPTDatasetV1(Dataset):
     def __getitem__(self, idx):
         return self.input_ids[idx], self.target_ids[idx]
 
+
 @settings(max_examples=150, deadline=None)
 @given(
     ids=st.lists(st.integers(0, 50256), max_size=120),
     max_length=st.integers(1, 40),
     stride=st.integers(1, 50),
 )
+
+
 def test_windows_match_the_books_gptdatasetv1(ids, max_length, stride):
     book = BookGPTDatasetV1(ids, max_length, stride)
     ours = SlidingWindowDataset(np.asarray(ids, dtype=np.uint16), max_length, stride)
@@ -48,6 +51,7 @@ def test_windows_match_the_books_gptdatasetv1(ids, max_length, stride):
         x, y = ours[i]
         assert x.dtype == y.dtype == torch.int64
         assert torch.equal(x, book[i][0]) and torch.equal(y, book[i][1])
+
 
 def test_windows_read_a_memmap_and_pickle_by_file_name(tmp_path):
     ids = np.arange(1000, dtype=np.uint16)
@@ -64,6 +68,7 @@ def test_windows_read_a_memmap_and_pickle_by_file_name(tmp_path):
     with pytest.raises(IndexError):
         ds[len(ds)]
 
+
 def test_create_dataloader_gives_the_books_batches():
     text = words(600, seed=1) + " <|endoftext|> " + words(100, seed=2)
     ids = ENC.encode(text, allowed_special={"<|endoftext|>"})
@@ -78,6 +83,7 @@ def test_create_dataloader_gives_the_books_batches():
         assert x.shape == (4, 32) and x.dtype == torch.int64
         assert torch.equal(x, bx) and torch.equal(y, by)
 
+
 @pytest.mark.parametrize("name", ["max_length", "stride"])
 def test_max_length_and_stride_below_one_are_refused(name, tmp_path):
     args = {"max_length": 4, "stride": 2, name: 0}
@@ -88,10 +94,12 @@ def test_max_length_and_stride_below_one_are_refused(name, tmp_path):
     with pytest.raises(ValueError, match=f"{name}=-1"):
         GPTDataModule(cache_dir=str(tmp_path), **{**args, name: -1})
 
+
 def test_create_dataloader_says_how_many_tokens_it_has_and_needs():
     n = len(ENC.encode("to be, or"))
     with pytest.raises(ValueError, match=rf"has {n} tokens; max_length=256 needs at least 257"):
         create_dataloader("to be, or")
+
 
 @pytest.mark.parametrize("n", [1, 37, 40])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -122,6 +130,7 @@ def test_ranks_are_disjoint_and_together_complete(n, world):
         else:  # validation: complete, in order within each rank
             assert sorted(seen) == list(range(n)) and all(s == sorted(s) for s in shares)
 
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 3000), seed=st.integers(0, 2**40), epoch=st.integers(0, 1000))
 def test_permute_is_a_permutation(n, seed, epoch):
@@ -129,6 +138,7 @@ def test_permute_is_a_permutation(n, seed, epoch):
     assert sorted(order.tolist()) == list(range(n))
     tail = data.permute(np.arange(n // 2, n), n, seed, epoch)  # any slice, on its own
     assert np.array_equal(tail, order[n // 2 :])
+
 
 def test_order_is_a_pure_function_of_seed_and_epoch():
     def order(seed, epoch):
