@@ -28,8 +28,8 @@ def causal_mask(num_tokens: int, num_keys: int | None = None, device=None) -> Te
         Bool tensor of shape (num_tokens, num_keys).
     """
     num_keys = num_tokens if num_keys is None else num_keys
-    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
+    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]  # (q, 1)
+    key_pos = torch.arange(num_keys, device=device)[None, :]  # (1, num_keys)
     return key_pos <= query_pos
 
 
@@ -43,8 +43,8 @@ def sliding_window_mask(
     Returns:
         Bool tensor of shape (num_tokens, num_keys).
     """
-    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
+    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]  # (q, 1)
+    key_pos = torch.arange(num_keys, device=device)[None, :]  # (1, num_keys)
     return key_pos > query_pos - window_size
 
 
@@ -57,7 +57,7 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     Returns:
         Bool tensor of shape (b, 1, 1, num_keys), broadcasting over heads and queries.
     """
-    return attention_mask.bool()[:, None, None, :]
+    return attention_mask.bool()[:, None, None, :]  # (b, 1, 1, num_keys)
 
 
 class KVCache:

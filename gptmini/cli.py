@@ -28,8 +28,9 @@ def generate_parser() -> argparse.ArgumentParser:
         description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
-    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    source.add_argument("--checkpoint", type=Path,
+                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+    source.add_argument("--hf", type=Path, help="the same as --checkpoint (kept for scripts)")
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
     text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
@@ -130,8 +131,9 @@ def visualize_parser() -> argparse.ArgumentParser:
         description="Heatmap of the attention weights a model gives a prompt's tokens.",
     )
     source = att.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="gptmini checkpoint (.ckpt) from train.py")
-    source.add_argument("--hf", type=Path, help="local GPT-2 directory (config.json + weights)")
+    source.add_argument("--checkpoint", type=Path,
+                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+    source.add_argument("--hf", type=Path, help="the same as --checkpoint (kept for scripts)")
     att.add_argument("--prompt", default="", help="text to look at; empty = <|endoftext|>")
     att.add_argument("--layer", type=int, default=-1, help="layer from 0; -1 = the last")
     heads = att.add_mutually_exclusive_group()

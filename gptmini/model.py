@@ -267,12 +267,12 @@ class GPTModel(nn.Module):
                 f"tokens (idx[:, -{self.cfg.context_length}:])"
             )
         if attention_mask is None:
-            positions = torch.arange(past, past + num_tokens, device=in_idx.device)
+            positions = torch.arange(past, past + num_tokens, device=in_idx.device)  # (num_tokens,)
         else:
-            # Position of each token among its row's real tokens: (b, num_tokens)
+            # Position of each token among its row's real tokens: (b, num_keys)
             positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-            positions = positions[:, -num_tokens:]
-        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
+            positions = positions[:, -num_tokens:]  # the new tokens': (b, num_tokens)
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))  # (b, num_tokens, emb)
 
         all_weights = []
         for i, block in enumerate(self.trf_blocks):
