@@ -404,3 +404,43 @@ def test_fast_dev_run_works_on_every_shipped_config(tmp_path, corpus, config):
         if "init_from" in config.read_text():
             args += ["--model.init_from", str(tiny_gpt2_directory(tmp_path / "gpt2", **shape))]
     assert main(args) == 0
+
+
+MALLINFO = """
+import ctypes, ctypes.util, runpy, sys
+import torch
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Mallinfo2
+sys.argv = ["train.py", "--print_config"]
+try:
+    if sys.argv_mode == "entry":
+        runpy.run_path("train.py", run_name="__main__")
+    else:
+        from gptmini.training import build_cli
+        build_cli(sys.argv[1:])
+except SystemExit:
+    pass
+before = libc.mallinfo2().hblkhd
+x = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MB: glibc would mmap it
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_only_train_py_keeps_freed_memory_and_then_large_tensors_stay_on_the_heap():
+    """keep_freed_memory is process-wide, so the library (build_cli, tests) never sets it."""
+    mmapped = {}
+    for mode in ("entry", "library"):
+        script = MALLINFO.replace("sys.argv_mode", repr(mode))
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        mmapped[mode] = int(proc.stdout.split()[-1])
+    assert mmapped["entry"] <= 0  # served from the heap, kept for the next step
+    assert mmapped["library"] >= 64 * 2**20  # glibc's default: a fresh mapping
