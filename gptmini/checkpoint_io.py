@@ -1,0 +1,138 @@
+"""Checkpoint files that are either whole or absent, on any filesystem.
+
+Lightning's default writer stages a checkpoint in `$TMPDIR` and then moves it over the
+target; when `$TMPDIR` is another filesystem (tmpfs /tmp, Docker volumes, NFS) the move is
+a truncate-then-copy, so a kill during it leaves the target empty or partial and the
+previous good checkpoint gone, and leaks a checkpoint-sized file into `$TMPDIR`. Databases
+do it this way instead, and so does `atomic_save`:
+
+1. write the new file beside the target (same directory, same filesystem),
+2. flush it to the disk (fsync),
+3. rename it over the target (`os.replace`: atomic within one filesystem),
+4. fsync the directory, so the rename itself survives a power loss.
+
+A kill at any point leaves either the old checkpoint or the new one, never a mix; the only
+leftover can be a hidden `.<name>.tmp-<pid>` file, which the next save or the next start
+of the run removes.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+TEMPORARY_MARK = ".tmp-"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous one at that path is unchanged."""
+
+
+def temporary_path(path: Path) -> Path:
+    """Where `atomic_save` writes `path` before renaming: beside it, hidden, per process."""
+    return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, name: str = "*") -> list[Path]:
+    """Delete the temporary files that killed saves left in `directory`.
+
+    Args:
+        name: only the temporaries of this checkpoint file name ("*": all of them).
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    for path in Path(directory).glob(f".{name}{TEMPORARY_MARK}*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """`torch.save(obj)` to `path` so that `path` is always the old file or the new one.
+
+    Raises:
+        CheckpointWriteError: the disk is full or read-only, a file-size limit was hit, ...:
+            the temporary file is removed and the file at `path` is as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent, path.name)  # leftovers of a save that was killed
+    tmp = temporary_path(path)
+    writer = None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _Writer(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        # torch.save's zip writer reports a failed write as a RuntimeError of its own.
+        err = writer.error if writer is not None and writer.error is not None else err
+        if isinstance(err, OSError):
+            reason = err.strerror or str(err)
+            raise CheckpointWriteError(
+                err.errno,
+                f"could not write the checkpoint {path} ({reason}); the checkpoint that was "
+                "there is unchanged. Free space or fix the disk, then resume with --ckpt_path "
+                "last",
+            ) from err
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+class _Writer:
+    """The file torch.save writes to, remembering the OS error (a full disk, a file-size
+    limit) that torch would otherwise turn into an 'unexpected pos' RuntimeError."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is an entry in the directory: sync it too. Not possible everywhere
+    # (Windows, some network filesystems); the rename itself is atomic regardless.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, with local files written by `atomic_save`.
+
+    Remote paths (s3://, gs://, ...) go through Lightning's own writer, which uploads them
+    whole.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options=None
+    ) -> None:
+        if storage_options is not None or fsspec.utils.get_protocol(str(path)) != "file":
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_save(checkpoint, path)
