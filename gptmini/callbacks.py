@@ -1,44 +1,198 @@
-"""Training callbacks: text samples, attention maps and the progress bar."""
+"""Training callbacks: step-boundary checkpoints, stopping on signals, text samples,
+attention maps and the progress bar."""
 
+import math
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
-from gptmini.lit_module import GPTLitModule
+from gptmini.lit_module import GPTLitModule, rng_states, set_rng_states
 from gptmini.plots import _require_matplotlib, attention_weights, plot_attention
+
+
+class StepWatch:
+    """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
+
+    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation several
+    micro-batches share one `global_step`. `stepped` is true only at the batch whose optimizer
+    step just moved `global_step`: never for micro-batches before the first step or between
+    steps, and never for the step a resumed run starts from (`start` at `on_train_start`,
+    after the restore). Call `stepped` once per batch.
+    """
+
+    def __init__(self):
+        self.seen: int | None = None
+        self.since_step = 0
+        """Micro-batches done since the last optimizer step (0 right after one)."""
+
+    def start(self, trainer: Trainer) -> None:
+        self.seen, self.since_step = trainer.global_step, 0
+
+    def stepped(self, trainer: Trainer) -> bool:
+        step, seen = trainer.global_step, self.seen
+        self.seen = step
+        moved = step != seen and step > 0
+        self.since_step = 0 if moved else self.since_step + 1
+        return moved
 
 
 class EveryNSteps(Callback):
     """The one guard of callbacks that act every `every_n_steps` optimizer steps, on rank 0.
 
-    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation
-    several micro-batches share one `global_step`. `due` is true only at the batch whose
-    optimizer step just moved `global_step` to a multiple of `every_n_steps`: once per
-    step, never for the micro-batches before the first step, and never again for the step
-    a resumed run starts from (it was acted on before the checkpoint).
+    `due` is true at the batch whose optimizer step just reached a multiple of
+    `every_n_steps` (see `StepWatch`): once per step, whatever the gradient accumulation.
     """
 
     def __init__(self, every_n_steps: int):
         self.every_n_steps = every_n_steps
-        self._seen_step: int | None = None
+        self._watch = StepWatch()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
-        self._seen_step = trainer.global_step  # after a resume: the restored step
+        self._watch.start(trainer)
 
     def due(self, trainer: Trainer) -> bool:
-        step, seen = trainer.global_step, self._seen_step
-        self._seen_step = step
-        stepped = step != seen and step > 0
         return (
-            stepped
+            self._watch.stepped(trainer)
             and self.every_n_steps > 0
-            and step % self.every_n_steps == 0
+            and trainer.global_step % self.every_n_steps == 0
             and trainer.is_global_zero
         )
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` that saves only at the batch whose optimizer step just happened.
+
+    Lightning's decides by `global_step` alone, so with gradient accumulation (and after a
+    resume, whose first micro-batches share the restored step) it saved in the middle of an
+    accumulation: a checkpoint one micro-batch ahead, whose gradient a kill then lost.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._watch = StepWatch()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
+        super().on_train_start(trainer, pl_module)
+        self._watch.start(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
+        if self._watch.stepped(trainer):
+            super().on_train_batch_end(trainer, pl_module, *args)
+
+
+class RunInterrupted(Exception):
+    """Training stopped on a signal, after saving a resumable checkpoint."""
+
+    def __init__(self, signum: int, step: int, path: Path):
+        self.signum, self.step, self.path = signum, step, path
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name} at step {step}; saved {path}. Resume with --ckpt_path last"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process the signal ended
+
+
+class StopOnSignal(Callback):
+    """On SIGTERM or SIGINT (Ctrl-C), stop at an optimizer step with a resumable checkpoint.
+
+    `kill`, `docker stop` and schedulers' preemptions send SIGTERM. The step in progress
+    (the rest of an accumulation) is finished if it ends within `grace_seconds` of the
+    signal; otherwise the run keeps the last completed step, rolling the data position and
+    the random state back so the partial accumulation is replayed on resume. The checkpoint
+    is written atomically to `path`, then `RunInterrupted` ends the run (train.py exits with
+    128 + the signal's number). Under DDP all ranks stop at the same step: they combine
+    their flags after every batch (one small all-reduce; Lightning's own SIGTERM handling
+    also broadcasts one per batch). A second signal stops at once, without saving: the
+    last checkpoint stays.
+
+    Lightning's SIGTERM handling stops at the next micro-batch, without a checkpoint and
+    with exit code 0, and Ctrl-C saves nothing; this replaces both while training runs.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, path: str | Path, grace_seconds: float = 20.0):
+        self.path = Path(path)
+        self.grace_seconds = grace_seconds
+        self._watch = StepWatch()
+        self._signum = 0
+        self._deadline = math.inf
+        self._previous: dict[int, Any] = {}
+        self._rng_at_step: dict | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
+        self._watch.start(trainer)
+        self._signum, self._deadline = 0, math.inf
+        self._snapshot_rng(trainer)
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._signum:  # asked twice: stop now
+            self._restore_handlers()
+            raise KeyboardInterrupt
+        self._signum, self._deadline = signum, time.monotonic() + self.grace_seconds
+        print(f"\nreceived {signal.Signals(signum).name}: finishing the optimizer step in "
+              "progress, then saving a checkpoint (signal again to stop at once)", flush=True)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
+        stepped = self._watch.stepped(trainer)
+        if stepped:
+            self._snapshot_rng(trainer)
+        signum, expired = self._agree(trainer, pl_module)
+        if not signum or not (stepped or expired):
+            return  # no signal, or the step in progress can still finish in time
+        if not stepped:  # out of time mid-accumulation: back to the last completed step
+            self._roll_back(trainer, self._watch.since_step)
+        trainer.save_checkpoint(self.path)
+        raise RunInterrupted(signum, trainer.global_step, self.path)
+
+    def _agree(self, trainer: Trainer, pl_module: LightningModule) -> tuple[int, bool]:
+        flags = [self._signum, int(time.monotonic() > self._deadline)]
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            tensor = torch.tensor(flags, device=pl_module.device)
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            flags = tensor.tolist()
+        return int(flags[0]), bool(flags[1])
+
+    def _snapshot_rng(self, trainer: Trainer) -> None:
+        if trainer.accumulate_grad_batches > 1:  # only a partial accumulation is rolled back
+            self._rng_at_step = rng_states()
+
+    def _roll_back(self, trainer: Trainer, micro_batches: int) -> None:
+        # Inside an accumulation only these counters move (no optimizer, scheduler or
+        # validation step): the state is that of a save at the last step's batch end.
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        for tracker in (progress.total, progress.current):
+            for field in ("ready", "started", "processed", "completed"):
+                setattr(tracker, field, getattr(tracker, field) - micro_batches)
+        rewind = getattr(trainer.datamodule, "rewind", None)
+        if rewind is not None:
+            rewind(micro_batches)
+        if self._rng_at_step is not None:
+            set_rng_states(self._rng_at_step)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule):
+        self._restore_handlers()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception):
+        self._restore_handlers()
 
 
 class SampleCallback(EveryNSteps):

@@ -26,7 +26,14 @@ from gptmini.convert import load_hf
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer
 
-__all__ = ["CONFIG_FIELDS", "MODEL_PREFIX", "LoadedModel", "load_checkpoint", "model_config"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "MODEL_PREFIX",
+    "LoadedModel",
+    "check_readable",
+    "load_checkpoint",
+    "model_config",
+]
 
 CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
 MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
@@ -134,22 +141,35 @@ def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
     return cfg.fit_vocab(n_vocab)
 
 
-def _safe_load(path: Path, map_location) -> object:
+def _safe_load(path: Path, map_location, mmap: bool = False) -> object:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        # The weights-only unpickler names the class it would have had to import.
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        if found:
-            raise ValueError(
-                f"refusing to load {path}: it holds a {found.group(1)} object, which only "
-                "arbitrary unpickling can rebuild (code could run while loading). gptmini "
-                "checkpoints hold only tensors, numbers and strings; re-save it from a "
-                "trusted session with plain values (e.g. hyper_parameters as a flat dict)"
-            ) from None
-        raise _corrupt(path, err) from None
+        # The weights-only unpickler names the global (a class or function) it would have had
+        # to import: only full unpickling rebuilds it, and that can run any code. Damaged
+        # bytes fail it too, naming an opcode instead.
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found is None:
+            raise _corrupt(path, err) from None
+        raise ValueError(
+            f"refusing to load {path}: it needs arbitrary code to load ({found.group(1)}), "
+            "which could run anything on this machine, so it was refused. gptmini "
+            "checkpoints hold only tensors, numbers and strings; if you trust where it came "
+            "from, re-save it with plain values"
+        ) from None
     except Exception as err:  # torch reports damaged files as RuntimeError, EOFError, ...
         raise _corrupt(path, err) from None
+
+
+def check_readable(path: str | Path) -> None:
+    """Fail now, with a clear message, if `path` is not a checkpoint torch can read safely.
+
+    Memory-maps the file, so even a large checkpoint costs little to check.
+
+    Raises:
+        ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary code.
+    """
+    _safe_load(Path(path), "cpu", mmap=True)
 
 
 def _corrupt(path: Path, err: Exception) -> ValueError:

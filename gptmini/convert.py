@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -235,17 +236,26 @@ def load_hf(directory: str | Path) -> GPTModel:
     hf_config = json.loads(config_path.read_text())
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     bin_file = directory / "pytorch_model.bin"
-    if single.is_file():
-        state = load_file(single)
-    elif index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state = {k: v for shard in shards for k, v in load_file(directory / shard).items()}
-    elif bin_file.is_file():
-        state = torch.load(bin_file, map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(
-            f"{directory} has config.json but no weights (model.safetensors or pytorch_model.bin)"
-        )
+    try:
+        if single.is_file():
+            state = load_file(single)
+        elif index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state = {k: v for shard in shards for k, v in load_file(directory / shard).items()}
+        elif bin_file.is_file():
+            state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(
+                f"{directory} has config.json but no weights (model.safetensors or "
+                "pytorch_model.bin)"
+            )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(
+            f"cannot read the weights in {directory}: they are truncated or damaged "
+            f"({type(err).__name__}: {str(err)[:200]}); download them again"
+        ) from None
     return from_hf_state_dict(state, hf_config)
 
 

@@ -196,13 +196,17 @@ class GPTLitModule(L.LightningModule):
         self._last_step_time = None  # validation time is not training throughput
 
     # --- exact resume: Lightning restores weights, optimizer, schedule and loops; the
-    # random number generators (dropout) are ours to carry.
+    # random number generators (dropout) of every rank are ours to carry.
 
     def on_save_checkpoint(self, checkpoint: dict):
         checkpoint["model_config"] = self.cfg.to_dict()  # rebuilds the model without us
-        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
+        states = rng_states()
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes
+            torch.distributed.all_gather_object(per_rank, states)
+        else:
+            per_rank = [states]
+        checkpoint["rng_states"] = per_rank
 
     def on_load_checkpoint(self, checkpoint: dict):
         saved = model_config(checkpoint, self.cfg.vocab_size).to_dict()
@@ -216,17 +220,51 @@ class GPTLitModule(L.LightningModule):
                 f"the checkpoint holds a different model ({diffs}); resume with the model "
                 "settings it was trained with, or start a new --run_name"
             )
+        self._apply_changed_optimization(checkpoint)
         self._rng_to_restore = checkpoint.get("rng_states")
+
+    def _apply_changed_optimization(self, checkpoint: dict) -> None:
+        """Resume with this run's optimization settings, not the checkpoint's.
+
+        The restored optimizer and schedule would otherwise keep the old learning rate,
+        weight decay and betas. The schedule is a function of the step, so it continues
+        from the step reached as the new settings draw it.
+        """
+        saved, hp = checkpoint.get("hyper_parameters", {}), self.hparams
+        changed = [f for f in OPTIMIZATION_FIELDS if f in saved and saved[f] != hp[f]]
+        if not changed:
+            return
+        if self.trainer is not None and self.trainer.is_global_zero:
+            diffs = ", ".join(f"{f} {saved[f]} -> {hp[f]}" for f in changed)
+            print(f"resuming with changed settings: {diffs}", flush=True)
+        for schedule in checkpoint.get("lr_schedulers", []):
+            step = schedule.get("last_epoch", 0)
+            lr = hp.learning_rate * lr_factor(step, self._warmup_steps(), self._total_steps(),
+                                              hp.min_lr_ratio)
+            schedule["base_lrs"] = [hp.learning_rate] * len(schedule.get("base_lrs", []))
+            schedule["_last_lr"] = [lr] * len(schedule.get("_last_lr", []))
+        for optimizer in checkpoint.get("optimizer_states", []):
+            for i, group in enumerate(optimizer.get("param_groups", [])):
+                group.update(lr=lr, initial_lr=hp.learning_rate, betas=(hp.beta1, hp.beta2))
+                if i == 0:  # configure_optimizers' first group is the decayed one
+                    group["weight_decay"] = hp.weight_decay
 
     def on_train_start(self):
         # Restored here, after the sanity-check validation, so that the first resumed step
         # draws the same dropout masks the uninterrupted run drew.
         states, self._rng_to_restore = self._rng_to_restore, None
-        if states:
-            torch.set_rng_state(states["torch"])
-            random.setstate(_as_tuples(states["python"]))
-            if "cuda" in states and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(states["cuda"])
+        if not states:
+            return
+        if isinstance(states, dict):  # checkpoints from before one state per rank
+            states = [states]
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        if len(states) != world:
+            warnings.warn(
+                f"the checkpoint holds the random state of {len(states)} rank(s) and this run "
+                f"has {world}: dropout will differ from an uninterrupted run",
+                stacklevel=2,
+            )
+        set_rng_states(states[rank % len(states)])
 
     # --- optimization -------------------------------------------------------------------
 
@@ -244,17 +282,13 @@ class GPTLitModule(L.LightningModule):
             betas=(hp.beta1, hp.beta2),
             fused=self.device.type == "cuda",
         )
-        total = self.trainer.max_steps
-        if total is None or total < 0:
-            total = int(self.trainer.estimated_stepping_batches)
-        warmup = hp.warmup_steps
-        if warmup > total:  # a short trial run (fast_dev_run, a few max_steps)
+        total, warmup = self._total_steps(), self._warmup_steps()
+        if warmup < hp.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
             warnings.warn(
-                f"model.warmup_steps={warmup} is longer than the run ({total} optimizer "
-                f"steps); warming up over all {total} instead",
+                f"model.warmup_steps={hp.warmup_steps} is longer than the run ({total} "
+                f"optimizer steps); warming up over all {total} instead",
                 stacklevel=2,
             )
-            warmup = total
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, warmup, total, hp.min_lr_ratio)
         )
@@ -262,6 +296,35 @@ class GPTLitModule(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
         }
+
+    def _total_steps(self) -> int:
+        total = self.trainer.max_steps
+        if total is None or total < 0:
+            total = int(self.trainer.estimated_stepping_batches)
+        return total
+
+    def _warmup_steps(self) -> int:
+        return min(self.hparams.warmup_steps, self._total_steps())
+
+
+OPTIMIZATION_FIELDS = ("learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1",
+                       "beta2")
+"""Settings a resumed run may change; the model's shape may not."""
+
+
+def rng_states() -> dict:
+    """This process's random generators: torch (CPU, and CUDA when present) and Python's."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(_as_tuples(states["python"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -30,8 +30,8 @@ def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
     """The tiktoken `Encoding` called `name`; "gpt2" is built from the vendored file.
 
     Raises:
-        RuntimeError: the vendored vocabulary is missing or altered, or another encoding
-            could not be fetched (no network).
+        RuntimeError: the vendored vocabulary is missing or altered.
+        ConnectionError: another encoding could not be fetched (no network).
     """
     if name == "gpt2":
         return _gpt2_offline()
@@ -42,7 +42,7 @@ def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
             f"unknown tokenizer {name!r}: {err}. gptmini ships 'gpt2' for offline use"
         ) from err
     except Exception as err:  # network errors come in many types (requests, urllib, ...)
-        raise RuntimeError(
+        raise ConnectionError(
             f"tokenizer {name!r} needs its vocabulary from the internet and could not get it "
             f"({type(err).__name__}: {err}). Use tokenizer 'gpt2', which gptmini ships, or "
             "connect once so tiktoken caches the file (TIKTOKEN_CACHE_DIR)."
@@ -87,3 +87,10 @@ def tokenizer_fingerprint(enc: tiktoken.Encoding) -> str:
         specials = sorted(state["special_tokens"].items())
         content = json.dumps([state["pat_str"], ranks, specials])
     return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def split_pattern(enc: tiktoken.Encoding) -> str | None:
+    """The regex `enc` splits text with before merging (None: a registered encoding, known to
+    tiktoken by name only)."""
+    state = enc.__getstate__()  # tiktoken's pickling protocol: the encoding's definition
+    return None if isinstance(state, str) else state["pat_str"]

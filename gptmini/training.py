@@ -13,16 +13,28 @@ import ctypes.util
 import difflib
 import netrc
 import os
+import signal
 import sys
 from pathlib import Path
 
+import torch
 from jsonargparse import set_parsing_settings
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from gptmini.callbacks import AttentionMapCallback, SampleCallback, progress_bar
+from gptmini.callbacks import (
+    AttentionMapCallback,
+    RunInterrupted,
+    SampleCallback,
+    StepCheckpoint,
+    StopOnSignal,
+    progress_bar,
+)
+from gptmini.checkpoint import check_readable
+from gptmini.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import GPTDataModule
 from gptmini.lit_module import GPTLitModule
 
@@ -54,28 +66,46 @@ class GPTCLI(LightningCLI):
         parser.add_argument("--wandb", type=bool, default=False,
                             help="Also log to Weights & Biases (offline when no API key).")
         parser.add_argument("--wandb_project", type=str, default="gptmini")
+        parser.add_argument("--stop_grace", type=float, default=20.0,
+                            help="On SIGTERM or Ctrl-C, seconds allowed to finish the optimizer "
+                                 "step in progress before falling back to the last one.")
         # One window length for model and data, one tokenizer for both.
         parser.link_arguments("model.context_length", "data.max_length")
         parser.link_arguments("model.tokenizer", "data.tokenizer")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         cfg = self.config
-        directory = run_dir(self)
+        checkpoints = run_dir(self) / "checkpoints"
         if cfg.trainer.logger in (None, True):
-            kwargs["logger"] = make_loggers(directory, cfg.run_name, cfg.wandb, cfg.wandb_project)
+            kwargs["logger"] = make_loggers(run_dir(self), cfg.run_name, cfg.wandb,
+                                            cfg.wandb_project)
         self.trainer_defaults["callbacks"] = [
-            ModelCheckpoint(dirpath=directory / "checkpoints", save_top_k=0, save_last=True,
-                            every_n_train_steps=cfg.checkpoint_every),
-            ModelCheckpoint(dirpath=directory / "checkpoints", filename="best",
-                            monitor="val/loss", mode="min", save_top_k=1,
-                            enable_version_counter=False),
+            StepCheckpoint(dirpath=checkpoints, save_top_k=0, save_last=True,
+                           every_n_train_steps=cfg.checkpoint_every,
+                           enable_version_counter=False),
+            StepCheckpoint(dirpath=checkpoints, filename="best", monitor="val/loss",
+                           mode="min", save_top_k=1, enable_version_counter=False),
+            StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
         ]
         if cfg.trainer.enable_progress_bar is not False:
             self.trainer_defaults["callbacks"].append(progress_bar())
         if cfg.attention_every > 0:
             self.trainer_defaults["callbacks"].append(AttentionMapCallback(cfg.attention_every))
+        # Checkpoints are written beside their target and renamed (see checkpoint_io).
+        plugins = _as_list(self.config_init.get("trainer.plugins"))
+        kwargs["plugins"] = [AtomicCheckpointIO(), *plugins]
         return super().instantiate_trainer(**kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        check_intervals(self.config)
+        accelerator = str(self.config.trainer.accelerator)
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+            raise ValueError(
+                f"--trainer.accelerator {accelerator}: this machine has no CUDA GPU (torch "
+                f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
+            )
 
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
@@ -158,32 +188,84 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
 
 
 def fit(cli: GPTCLI):
-    """Train, resuming from --ckpt_path when given."""
-    ckpt = cli.config.ckpt_path
-    if ckpt == "last" and not (run_dir(cli) / "checkpoints" / "last.ckpt").is_file():
+    """Train, resuming from --ckpt_path when given; refuse to write over another run.
+
+    Raises:
+        RunInterrupted: a signal stopped the run after saving a resumable checkpoint.
+    """
+    ckpt, checkpoints = cli.config.ckpt_path, run_dir(cli) / "checkpoints"
+    if ckpt == "last" and not (checkpoints / "last.ckpt").is_file():
         print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")
         ckpt = None
     elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
+    if ckpt is not None:
+        check_readable(checkpoints / "last.ckpt" if ckpt == "last" else ckpt)
+    existing = sorted(p.name for p in checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
+    if ckpt is None and existing:
+        raise ValueError(
+            f"run {cli.config.run_name!r} already has checkpoints in {checkpoints} "
+            f"({', '.join(existing)}), which a new run would overwrite. Resume it with "
+            "--ckpt_path last, or start fresh under another --run_name"
+        )
+    check_accumulation(cli.trainer)
+    if checkpoints.is_dir():
+        remove_stale_temporaries(checkpoints)  # of saves a kill interrupted
     cli.model.resuming = ckpt is not None  # decided before setup: init_from is not read
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
+
+
+def check_intervals(config) -> None:
+    """gptmini's own step counts: one clear line instead of a failure deep in a callback."""
+    for name, low in (("checkpoint_every", 1), ("sample_every", 0), ("attention_every", 0),
+                      ("stop_grace", 0)):
+        value = config[name]
+        if value < low:
+            raise ValueError(f"--{name}={value} is invalid: use {low} or more"
+                             + (" (0 turns it off)" if low == 0 and name != "stop_grace" else ""))
+
+
+def check_accumulation(trainer: Trainer) -> None:
+    """Validation (and best.ckpt with it) must fall between optimizer steps.
+
+    Lightning counts val_check_interval in batches; with gradient accumulation a count that
+    is not a multiple of accumulate_grad_batches would validate, and save, mid-step.
+    """
+    every, accumulate = trainer.val_check_interval, trainer.accumulate_grad_batches
+    if isinstance(every, int) and accumulate > 1 and every % accumulate:
+        fit_to = max(accumulate, every // accumulate * accumulate)
+        raise ValueError(
+            f"trainer.val_check_interval={every} batches is not a multiple of "
+            f"accumulate_grad_batches={accumulate}, so validation would fall inside an "
+            f"optimizer step; use a multiple, e.g. --trainer.val_check_interval {fit_to}"
+        )
 
 
 def main(args: list[str] | None = None) -> int:
     """Run training from the command line (or from `args`); returns the exit code.
 
     Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
-    to see the traceback anyway.
+    to see the traceback anyway. A run stopped by a signal returns 128 + its number.
     """
     try:
         fit(build_cli(args))
-    except (FloatingPointError, ValueError, FileNotFoundError) as err:
+    except RunInterrupted as stop:
+        print(f"train.py: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except SIGTERMException:  # before training began (Lightning's handler): nothing to save
+        print("train.py: stopped by SIGTERM before training began", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (FloatingPointError, ValueError, OSError, MisconfigurationException) as err:
         if os.environ.get("GPTMINI_TRACEBACK"):
             raise
         verb = "stopped" if isinstance(err, FloatingPointError) else "error"
         print(f"train.py: {verb}: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def run_dir(cli: GPTCLI) -> Path:

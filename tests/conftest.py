@@ -1,10 +1,45 @@
+"""Shared fixtures, and the rule that tests never reach the network.
+
+Offline variables are set before anything imports datasets or huggingface_hub (so the
+processes tests start inherit them too), tiktoken's download is stubbed, and a socket may
+only connect to this machine (loopback or a Unix socket).
+"""
+
+import ipaddress
+import os
+import socket
 from pathlib import Path
 
-import pytest
-import torch
-from helpers import write_metrics
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                  WANDB_MODE="offline", WANDB_SILENT="true")
 
-from gptmini.model import GPTConfig
+import pytest  # noqa: E402
+import tiktoken.load  # noqa: E402
+import torch  # noqa: E402
+from helpers import write_corpus, write_metrics  # noqa: E402
+
+from gptmini.model import GPTConfig  # noqa: E402
+
+
+def _local_only(connect):
+    def guarded(sock, address, *args):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            host = address[0]
+            if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+                raise ConnectionError(f"tests never reach the network (tried {address})")
+        return connect(sock, address, *args)
+
+    return guarded
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    def no_download(*args, **kwargs):
+        raise ConnectionError("tests never download (tiktoken tried to fetch a vocabulary)")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", no_download)
+    monkeypatch.setattr(socket.socket, "connect", _local_only(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", _local_only(socket.socket.connect_ex))
 
 
 @pytest.fixture
@@ -34,3 +69,8 @@ def run_dir(tmp_path) -> Path:
     write_metrics(run / "logs" / "version_0" / "metrics.csv", first)
     write_metrics(run / "logs" / "version_1" / "metrics.csv", second)
     return run
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt", repeats=12)

@@ -91,3 +91,52 @@ def tiny(**overrides) -> GPTConfig:
     fields = dict(vocab_size=50257, context_length=32, emb_dim=16, n_heads=2, n_layers=2,
                   drop_rate=0.0)
     return GPTConfig(**{**fields, **overrides})
+
+
+def write_corpus(path: Path, repeats: int) -> Path:
+    """A small corpus with enough structure to learn in a few dozen steps."""
+    lines = [f"{name} said {word} to the {thing}." for name in ("Romeo", "Juliet", "Tybalt")
+             for word in ("hello", "farewell", "nothing") for thing in ("moon", "sun", "night")]
+    path.write_text("\n".join(lines * repeats))
+    return path
+
+
+def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
+    return [
+        "--trainer.default_root_dir", str(tmp_path / "runs"),
+        "--run_name", "tiny",
+        "--trainer.accelerator", "cpu",
+        "--trainer.max_steps", "30",
+        "--trainer.val_check_interval", "10",
+        "--trainer.limit_val_batches", "4",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1",
+        "--checkpoint_every", "10",
+        "--sample_every", "0",
+        "--model.context_length", "16",
+        "--model.emb_dim", "32",
+        "--model.n_heads", "2",
+        "--model.n_layers", "2",
+        "--model.warmup_steps", "5",
+        "--model.learning_rate", "3e-3",
+        "--model.peak_flops", "1e10",
+        "--data.source", str(corpus),
+        "--data.batch_size", "4",
+        "--data.cache_dir", str(corpus.parent / "cache"),
+        "--data.val_fraction", "0.1",
+        *extra,
+    ]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    rows = []
+    for path in sorted(run.glob("logs/version_*/metrics.csv")):
+        with path.open() as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def column(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]

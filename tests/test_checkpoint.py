@@ -1,4 +1,5 @@
 import argparse
+import os
 
 import pytest
 import torch
@@ -134,7 +135,8 @@ def test_refuses_a_checkpoint_that_needs_arbitrary_unpickling(tmp_path):
     ckpt = lightning_dict(make_model())
     ckpt["hyper_parameters"]["args"] = argparse.Namespace(lr=1.0)  # an arbitrary object
     torch.save(ckpt, tmp_path / "c.ckpt")
-    with pytest.raises(ValueError, match="refusing to load .* arbitrary unpickling"):
+    with pytest.raises(ValueError, match=r"refusing to load .* needs arbitrary code to load "
+                                         r"\(argparse\.Namespace\)"):
         load_checkpoint(tmp_path / "c.ckpt")
 
 
@@ -179,3 +181,19 @@ def test_a_model_with_fewer_ids_than_its_tokenizer_is_refused(tmp_path):
     torch.save(lightning_dict(make_model(vocab_size=64)), tmp_path / "c.ckpt")
     with pytest.raises(ValueError, match="vocab_size=64 but its tokenizer has 50257 ids"):
         load_checkpoint(tmp_path / "c.ckpt")
+
+
+def test_a_malicious_pickle_is_refused_as_needing_arbitrary_code(tmp_path):
+    """Before: torch 2.13 words this case differently, and the message called the file corrupt."""
+
+    class RunsACommand:
+        def __reduce__(self):
+            return (os.system, ("echo this would run",))
+
+    ckpt = lightning_dict(make_model())
+    ckpt["hyper_parameters"]["payload"] = RunsACommand()
+    torch.save(ckpt, tmp_path / "evil.ckpt")
+    with pytest.raises(ValueError, match=r"refusing to load .*evil\.ckpt: it needs arbitrary "
+                                         r"code to load \(posix\.system\)") as refused:
+        load_checkpoint(tmp_path / "evil.ckpt")
+    assert "corrupt" not in str(refused.value)

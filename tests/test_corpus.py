@@ -3,6 +3,7 @@
 
 import gzip
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -121,3 +122,27 @@ def test_hub_name_offline_says_so_and_points_to_local_files(tmp_path, monkeypatc
     assert spec.hub_name == "someone/tiny-corpus" and spec.files == ()
     with pytest.raises(ConnectionError, match=r"cannot reach the Hugging Face hub.*local files"):
         load_documents(spec, tmp_path)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_records_without_the_text_field_are_refused_by_count_and_first_line(
+    tmp_path, caplog, streaming
+):
+    """Before: they were dropped silently (150 of 300 in one case)."""
+    lines = [json.dumps({"text": words(8, i)} if i % 3 else {"body": "no text"}) for i in range(30)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"10 of 30 records in .*d\.jsonl have no 'text' field "
+                                         r"\(the first is .*d\.jsonl line 1\).*skip_missing_text"):
+        tokens_of(tmp_path / "d.jsonl", tmp_path / "c", streaming=streaming)
+    caplog.set_level(logging.INFO, logger="gptmini.data")
+    train, _ = tokens_of(tmp_path / "d.jsonl", tmp_path / "c", streaming=streaming,
+                         skip_missing_text=True)
+    assert "skipping 10 of 30 records" in caplog.text
+    assert train == joined([words(8, i) for i in range(30) if i % 3])
+
+
+def test_the_first_missing_record_is_found_past_blank_lines_and_across_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "three"}\n\n\n{"id": 4}\n')
+    with pytest.raises(ValueError, match=r"1 of 4 records .*the first is .*b\.jsonl line 4"):
+        tokens_of(tmp_path / "*.jsonl", tmp_path / "c")

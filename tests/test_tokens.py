@@ -2,12 +2,17 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tiktoken
-from helpers import ENC, joined, tokens_of, words
+from helpers import ENC, WORDS, joined, tokens_of, words
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gptmini.data.tokens as tokens_module
 from gptmini.data import (
@@ -128,3 +133,45 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"empty\.txt is empty: 1 documents, 0 tokens"):
         tokens_of(tmp_path / "empty.txt", tmp_path / "c")
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab1 ,'\n\té")), max_size=80))
+def test_long_documents_encode_in_pieces_to_exactly_the_ids_of_the_whole(text):
+    pieces = tokens_module._encode_long(ENC, text, "uint32", piece=5)  # cut every few chars
+    assert pieces.tolist() == ENC.encode_ordinary(text)
+
+
+MEMORY = """
+import resource, sys, time
+import numpy as np
+from gptmini.data import resolve_source, tokenize_corpus
+from gptmini.tokenizer import get_tokenizer
+
+path, cache = sys.argv[1], sys.argv[2]
+get_tokenizer("gpt2")
+spec = resolve_source(path)
+import datasets  # imports done: what follows is the tokenizing itself
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ids = tokenize_corpus(spec, cache_dir=cache, quiet=True).load("train")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+whole = get_tokenizer("gpt2").encode_ordinary(open(path).read())
+print((peak - before) * 1024, np.array_equal(ids, np.asarray(whole, dtype=ids.dtype)))
+"""
+
+
+@pytest.mark.slow
+def test_a_50_mb_single_line_corpus_tokenizes_in_bounded_memory_to_the_same_ids(tmp_path):
+    rng = np.random.default_rng(0)
+    vocabulary = np.array([w + " " for w in WORDS] + ["caf\u00e9, ", "1984. ", "don't "])
+    with open(tmp_path / "one_line.txt", "w") as f:
+        for _ in range(65):
+            f.write("".join(rng.choice(vocabulary, size=210_000)))  # about 1 MB a time
+    assert (tmp_path / "one_line.txt").stat().st_size > 50_000_000
+    proc = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path / "one_line.txt"),
+                           str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grew, same = proc.stdout.split()
+    assert same == "True"
+    assert int(grew) <= 300 * 2**20, f"{int(grew) / 2**20:.0f} MB above the baseline"

@@ -1,6 +1,5 @@
 """End-to-end training on CPU: a short run, exact resume, NaN stop, DDP, configs, bad input."""
 
-import csv
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import column, read_metrics, tiny_args
 from lightning.pytorch import Callback
 
 import gptmini
@@ -21,60 +21,6 @@ from gptmini.training import DEFAULT_CONFIG, build_cli, fit, main
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-
-
-def write_corpus(path: Path, repeats: int) -> Path:
-    """A small corpus with enough structure to learn in a few dozen steps."""
-    lines = [f"{name} said {word} to the {thing}." for name in ("Romeo", "Juliet", "Tybalt")
-             for word in ("hello", "farewell", "nothing") for thing in ("moon", "sun", "night")]
-    path.write_text("\n".join(lines * repeats))
-    return path
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    return write_corpus(tmp_path / "corpus.txt", repeats=12)
-
-
-def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
-    return [
-        "--trainer.default_root_dir", str(tmp_path / "runs"),
-        "--run_name", "tiny",
-        "--trainer.accelerator", "cpu",
-        "--trainer.max_steps", "30",
-        "--trainer.val_check_interval", "10",
-        "--trainer.limit_val_batches", "4",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.log_every_n_steps", "1",
-        "--checkpoint_every", "10",
-        "--sample_every", "0",
-        "--model.context_length", "16",
-        "--model.emb_dim", "32",
-        "--model.n_heads", "2",
-        "--model.n_layers", "2",
-        "--model.warmup_steps", "5",
-        "--model.learning_rate", "3e-3",
-        "--model.peak_flops", "1e10",
-        "--data.source", str(corpus),
-        "--data.batch_size", "4",
-        "--data.cache_dir", str(corpus.parent / "cache"),
-        "--data.val_fraction", "0.1",
-        *extra,
-    ]
-
-
-def read_metrics(run: Path) -> list[dict]:
-    rows = []
-    for path in sorted(run.glob("logs/version_*/metrics.csv")):
-        with path.open() as f:
-            rows += list(csv.DictReader(f))
-    return rows
-
-
-def column(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
 
 
 @pytest.mark.slow
@@ -98,30 +44,6 @@ def test_short_run_lowers_the_loss_and_writes_checkpoints(tmp_path, corpus):
     module.load_state_dict(ckpt["state_dict"])
 
 
-class StopAt(Callback):
-    """Simulates a run that dies after `step` optimizer steps."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
-
-
-def final_weights(tmp_path, corpus, name: str, stop_at: int | None = None, resume=False):
-    args = tiny_args(tmp_path, corpus, "--run_name", name, "--model.drop_rate", "0.1",
-                     "--trainer.max_steps", "24", "--checkpoint_every", "1",
-                     "--trainer.val_check_interval", "8")
-    if resume:
-        args += ["--ckpt_path", "last"]
-    cli = build_cli(args)
-    if stop_at is not None:
-        cli.trainer.callbacks.append(StopAt(stop_at))
-    fit(cli)
-    return cli.trainer.global_step, {k: v.clone() for k, v in cli.model.state_dict().items()}
-
-
 @pytest.mark.slow
 def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corpus, capsys):
     pytest.importorskip("matplotlib")
@@ -135,29 +57,6 @@ def test_compiled_model_trains_samples_and_draws_attention_on_cpu(tmp_path, corp
     assert sorted(p.name for p in run.glob("logs/version_0/attention/*.png")) == [
         "step_3.png", "step_6.png"]
     assert (run / "checkpoints" / "last.ckpt").is_file()
-
-
-@pytest.mark.slow
-def test_resume_continues_exactly(tmp_path):
-    """12 steps + resume + 12 steps gives the weights of 24 steps straight.
-
-    Dropout is on (RNG state), the schedule is mid-cosine, and the 24 steps cross an
-    epoch boundary of the data (checked: between 12 and 24 batches per epoch).
-    """
-    corpus = write_corpus(tmp_path / "corpus.txt", repeats=4)
-    module = GPTDataModule(source=str(corpus), max_length=16, batch_size=4, val_fraction=0.1,
-                           cache_dir=str(tmp_path / "cache"))
-    module.prepare_data()
-    module.setup("fit")
-    assert 12 < len(module.train_dataloader()) < 24
-    steps, straight = final_weights(tmp_path, corpus, "straight")
-    assert steps == 24
-    steps, _ = final_weights(tmp_path, corpus, "resumed", stop_at=12)
-    assert steps == 12
-    steps, resumed = final_weights(tmp_path, corpus, "resumed", resume=True)
-    assert steps == 24
-    for key, value in straight.items():
-        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
 
 
 class PoisonAt(Callback):
@@ -180,34 +79,6 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["global_step"] == 7
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
-
-
-@pytest.mark.slow
-def test_interrupted_save_leaves_the_previous_last_checkpoint(tmp_path, corpus, monkeypatch):
-    cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10"))
-    fit(cli)
-    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
-    before = last.read_bytes()
-
-    def dies_midway(obj, f, *args, **kwargs):
-        f.write(b"partial checkpoint bytes")
-        raise KeyboardInterrupt  # a kill while the checkpoint is being written
-
-    monkeypatch.setattr(torch, "save", dies_midway)
-    with pytest.raises(KeyboardInterrupt):
-        cli.trainer.save_checkpoint(last)
-    assert last.read_bytes() == before
-    monkeypatch.undo()
-    assert torch.load(last, weights_only=True)["global_step"] == 10
-
-
-@pytest.mark.slow
-def test_resuming_with_a_different_model_shape_is_refused(tmp_path, corpus, capsys):
-    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10")) == 0
-    code = main(tiny_args(tmp_path, corpus, "--model.emb_dim", "64", "--ckpt_path", "last"))
-    assert code == 1
-    err = capsys.readouterr().err
-    assert "different model (emb_dim=32 there, 64 here)" in err
 
 
 @pytest.mark.slow

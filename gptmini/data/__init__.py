@@ -16,13 +16,8 @@ The path of a corpus, stage by stage:
 """
 
 
-from gptmini.data.corpus import (
-    EMBEDDED_CORPUS,
-    CorpusSpec,
-    default_cache_dir,
-    load_documents,
-    resolve_source,
-)
+from gptmini.data.corpus import EMBEDDED_CORPUS, CorpusSpec, default_cache_dir, resolve_source
+from gptmini.data.documents import load_documents
 from gptmini.data.module import GPTDataModule
 from gptmini.data.tokens import TokenCache, tokenize_corpus
 from gptmini.data.windows import (

@@ -58,6 +58,9 @@ class GPTDataModule(L.LightningDataModule):
             instead of splitting off `val_fraction`; also the split of a hub `val_source`.
         hub_revision: branch, tag or commit of the hub dataset (None: its main branch); the
             token cache is keyed on the commit it resolves to.
+        skip_missing_text: train on the json/parquet records that have `text_field` when
+            some lack it, saying how many were left out; by default such a corpus is refused,
+            naming the count and the first one.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class GPTDataModule(L.LightningDataModule):
         val_stride: int | None = None,
         hub_val_split: str | None = None,
         hub_revision: str | None = None,
+        skip_missing_text: bool = False,
     ):
         super().__init__()
         _check_positive(
@@ -98,7 +102,7 @@ class GPTDataModule(L.LightningDataModule):
         self.source, self.val_source = source, val_source
         self.val_fraction, self.text_field = val_fraction, text_field
         self.hub_config, self.hub_split, self.hub_val_split = hub_config, hub_split, hub_val_split
-        self.hub_revision = hub_revision
+        self.hub_revision, self.skip_missing_text = hub_revision, skip_missing_text
         self.streaming, self.tokenizer = streaming, tokenizer
         self.max_length = max_length
         self.stride = stride or max_length
@@ -122,6 +126,7 @@ class GPTDataModule(L.LightningDataModule):
             hub_revision=self.hub_revision,
             streaming=self.streaming,
             encoding_errors=self.encoding_errors,
+            skip_missing_text=self.skip_missing_text,
         )
 
     def _token_arrays(self, quiet: bool) -> tuple[np.ndarray, np.ndarray, str, str]:
@@ -227,6 +232,9 @@ class GPTDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            # A loader without a generator draws its workers' seed from the global one,
+            # shifting the dropout stream by a draw at moments that differ after a resume.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     # -- resume
@@ -239,6 +247,12 @@ class GPTDataModule(L.LightningDataModule):
             taken = self._consumed[1] if epoch == self._consumed[0] else 0
             self._consumed = (epoch, taken + 1)
         return batch
+
+    def rewind(self, batches: int) -> None:
+        """Forget the last `batches` training batches, so that a checkpoint taken now has
+        them replayed on resume (a partial gradient accumulation given up on a signal)."""
+        epoch, taken = self._consumed
+        self._consumed = (epoch, max(0, taken - batches))
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands: the epoch and the batches per rank consumed in it."""

@@ -4,6 +4,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,14 +13,9 @@ from typing import Any
 import numpy as np
 from tiktoken import Encoding
 
-from gptmini.data.corpus import (
-    CorpusSpec,
-    _explain_decode_errors,
-    default_cache_dir,
-    load_documents,
-    pin_revision,
-)
-from gptmini.tokenizer import get_tokenizer, tokenizer_fingerprint
+from gptmini.data.corpus import CorpusSpec, default_cache_dir, pin_revision
+from gptmini.data.documents import _explain_read_errors, load_documents, missing_text
+from gptmini.tokenizer import GPT2_PATTERN, get_tokenizer, split_pattern, tokenizer_fingerprint
 
 CACHE_VERSION = 2  # 2: keyed on the tokenizer's content and a hub dataset's commit
 
@@ -62,14 +58,46 @@ def _is_val(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
+LONG_DOCUMENT = 1 << 20
+"""Characters past which a document is encoded piece by piece (same ids, bounded memory)."""
+# A space between two non-space characters always starts a new pre-token under GPT-2's
+# split pattern: no pre-token runs across it, and those after it depend on nothing before.
+_SAFE_CUT = re.compile(r"(?<=\S) (?=\S)")
+
+
 def _encode_documents(
     texts: list[str | None], tokenizer: str, dtype: str, num_threads: int
 ) -> list[np.ndarray]:
     enc = get_tokenizer(tokenizer)
-    encoded = enc.encode_ordinary_batch([t or "" for t in texts], num_threads=num_threads)
+    texts = [t or "" for t in texts]
+    short = [t if len(t) <= LONG_DOCUMENT else "" for t in texts]
+    encoded = enc.encode_ordinary_batch(short, num_threads=num_threads)
     # Each non-empty document ends in <|endoftext|>; the file's last one is cut off after,
     # which leaves the token exactly *between* documents.
-    return [np.asarray(doc + [enc.eot_token] if doc else [], dtype=dtype) for doc in encoded]
+    out = []
+    for text, doc in zip(texts, encoded, strict=True):
+        ids = np.asarray(doc, dtype=dtype) if len(text) <= LONG_DOCUMENT else _encode_long(
+            enc, text, dtype)
+        out.append(np.append(ids, np.asarray([enc.eot_token], dtype=dtype)) if len(ids) else ids)
+    return out
+
+
+def _encode_long(enc: Encoding, text: str, dtype: str, piece: int = LONG_DOCUMENT) -> np.ndarray:
+    """`enc.encode_ordinary(text)` as an array, a piece at a time.
+
+    A 50 MB document as one list of Python ints takes about 430 MB; in pieces of about
+    `LONG_DOCUMENT` characters, cut where the split pattern cuts anyway, it takes the
+    array's 2 bytes per token. Encodings with another split pattern are encoded whole.
+    """
+    if split_pattern(enc) != GPT2_PATTERN:
+        return np.asarray(enc.encode_ordinary(text), dtype=dtype)
+    pieces, start = [], 0
+    while start < len(text):
+        cut = _SAFE_CUT.search(text, start + piece) if len(text) - start > piece else None
+        end = cut.start() if cut else len(text)
+        pieces.append(np.asarray(enc.encode_ordinary(text[start:end]), dtype=dtype))
+        start = end
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
 
 
 def _encode_batch(
@@ -162,11 +190,11 @@ def tokenize_corpus(
         with (
             open(tmp / "train.bin", "wb") as train_f,
             open(tmp / "val.bin", "wb") as val_f,
-            _explain_decode_errors(spec),
+            _explain_read_errors(spec),
         ):
             args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
             if spec.streaming:
-                n_docs = _tokenize_stream(docs, args, num_proc, train_f, val_f)
+                n_docs = _tokenize_stream(docs, spec, args, num_proc, train_f, val_f)
             else:
                 n_docs = len(docs)
                 encoded = docs.map(
@@ -221,14 +249,22 @@ def tokenize_corpus(
     return cache
 
 
-def _tokenize_stream(docs, args: dict, num_threads: int, train_f, val_f) -> int:
-    index = 0
+def _tokenize_stream(docs, spec: CorpusSpec, args: dict, num_threads: int, train_f,
+                     val_f) -> int:
+    index, missing, first_missing = 0, 0, None
     for batch in docs.iter(batch_size=256):
+        nulls = [i for i, text in enumerate(batch["text"]) if text is None]
+        if nulls:
+            missing += len(nulls)
+            first_missing = index + nulls[0] if first_missing is None else first_missing
         arrays = _encode_documents(batch["text"], args["tokenizer"], args["dtype"], num_threads)
         val = np.array([_is_val(index + i, args["val_fraction"]) for i in range(len(arrays))])
         index += len(arrays)
         lengths = np.array([len(a) for a in arrays])
         _write_docs(np.concatenate(arrays), lengths, val, train_f, val_f)
+    if missing:  # a stream cannot be checked before it is read
+        files = [str(f) for f in spec.files]
+        missing_text(missing, index, first_missing, spec, spec.description, files)
     return index
 
 
