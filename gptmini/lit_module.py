@@ -91,6 +91,10 @@ class GPTLitModule(L.LightningModule):
             self.model.compile()  # in place: parameter names (checkpoints) do not change
 
     def setup(self, stage: str):
+        if stage == "fit" and self.trainer.world_size > 1:
+            # Every rank draws its own dropout masks (nanoGPT offsets its seed by the rank
+            # too); a resume restores each rank's own stream.
+            torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
         if self._peak_flops is None:
             self._peak_flops = peak_flops_of(self.device)
         if stage == "fit" and self.hparams.init_from and not self.resuming:

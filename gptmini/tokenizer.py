@@ -38,8 +38,10 @@ def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding(name)
     except ValueError as err:  # unknown name
+        known = ", ".join(sorted(tiktoken.list_encoding_names()))
         raise ValueError(
-            f"unknown tokenizer {name!r}: {err}. gptmini ships 'gpt2' for offline use"
+            f"unknown tokenizer {name!r}: tiktoken knows {known}; gptmini ships 'gpt2' for "
+            "offline use"
         ) from err
     except Exception as err:  # network errors come in many types (requests, urllib, ...)
         raise ConnectionError(

@@ -129,6 +129,7 @@ def _exported_gpt2(tmp_path) -> GPTModel:
 
 
 def _setup_for_fit(module: GPTLitModule, resuming=False) -> GPTLitModule:
+    module.trainer = SimpleNamespace(world_size=1, global_rank=0)
     module.resuming = resuming
     module.setup("fit")
     return module.eval()
