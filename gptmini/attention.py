@@ -310,8 +310,10 @@ class MultiHeadAttention(nn.Module):
         attn_scores = queries @ keys.transpose(2, 3)  # (b, num_heads, num_tokens, num_keys)
         if allowed is not None:
             attn_scores.masked_fill_(~allowed, -torch.inf)
-        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        # In float32 whatever the inputs (bf16 rounding in a softmax costs accuracy).
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1,
+                                     dtype=torch.float32)
         if empty_rows is not None:
             attn_weights = attn_weights.masked_fill(empty_rows, 0.0)
         attn_weights = self.dropout(attn_weights)
-        return attn_weights @ values, attn_weights
+        return attn_weights.to(values.dtype) @ values, attn_weights

@@ -14,34 +14,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
-from gptmini.lit_module import GPTLitModule, rng_states, set_rng_states
+from gptmini.lit_module import GPTLitModule, StepWatch, rng_states, set_rng_states
 from gptmini.plots import _require_matplotlib, attention_weights, plot_attention
-
-
-class StepWatch:
-    """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
-
-    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation several
-    micro-batches share one `global_step`. `stepped` is true only at the batch whose optimizer
-    step just moved `global_step`: never for micro-batches before the first step or between
-    steps, and never for the step a resumed run starts from (`start` at `on_train_start`,
-    after the restore). Call `stepped` once per batch.
-    """
-
-    def __init__(self):
-        self.seen: int | None = None
-        self.since_step = 0
-        """Micro-batches done since the last optimizer step (0 right after one)."""
-
-    def start(self, trainer: Trainer) -> None:
-        self.seen, self.since_step = trainer.global_step, 0
-
-    def stepped(self, trainer: Trainer) -> bool:
-        step, seen = trainer.global_step, self.seen
-        self.seen = step
-        moved = step != seen and step > 0
-        self.since_step = 0 if moved else self.since_step + 1
-        return moved
 
 
 class EveryNSteps(Callback):
@@ -238,27 +212,37 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
     return tokenizer.decode(out[0].tolist())
 
 
-class _ShortMetrics:
-    """Progress bar metrics under short names, each in a format that shows its digits."""
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar: loss, lr, tokens/s and val loss under short names, each in a
+    format that shows its digits, and "Epoch N" (never Rich's "Epoch 0/-2").
+
+    The loss is a tensor on the device, so it is not a prog_bar metric (Lightning would read
+    it after every batch); the bar reads it here, when it refreshes: at logging steps.
+    """
 
     SHORT = {"train/loss": ("loss", "{:.3f}"), "train/lr": ("lr", "{:.2e}"),
              "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}")}
 
+    def __init__(self, refresh_rate: int = 1):
+        super().__init__(refresh_rate=refresh_rate)
+        self._shown: dict[str, str] = {}
+
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
-        for key, (short, fmt) in self.SHORT.items():
-            if key in metrics:
-                metrics[short] = fmt.format(float(metrics.pop(key)))
-        return metrics
+        every = max(1, getattr(trainer, "log_every_n_steps", 1))
+        if not getattr(trainer, "training", False) or trainer.global_step % every == 0:
+            # Read the values off the device only when they were just logged (or validated):
+            # the last batch of an epoch refreshes too, and shows what was read before.
+            values = {**trainer.callback_metrics, **metrics}
+            self._shown = {short: fmt.format(float(values[key]))
+                           for key, (short, fmt) in self.SHORT.items() if key in values}
+        rest = {key: value for key, value in metrics.items() if key not in self.SHORT}
+        return {**rest, **self._shown}
 
 
-class ProgressBar(_ShortMetrics, TQDMProgressBar):
-    """Lightning's tqdm bar with short metric names ("Epoch N", never Rich's "Epoch 0/-2")."""
-
-
-def progress_bar() -> Callback:
-    return ProgressBar()
+def progress_bar(refresh_rate: int = 1) -> Callback:
+    return ProgressBar(refresh_rate)
 
 
 class AttentionMapCallback(EveryNSteps):

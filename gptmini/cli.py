@@ -19,6 +19,7 @@ from gptmini.plots import (
     plot_attention,
     plot_curves,
 )
+from gptmini.precision import AUTO, auto_dtype
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,8 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--stream", action="store_true", help="print tokens as they come")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, "float32", "bfloat16"],
+                        help="compute in; auto = bfloat16 where the device has bf16 units")
     return parser
 
 
@@ -66,6 +69,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         else:
             prompt = args.prompt
         model, tokenizer, _ = load_checkpoint(args.checkpoint or args.hf, map_location=device)
+        model.to(auto_dtype(args.dtype, device))
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
 

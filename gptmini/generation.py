@@ -22,7 +22,6 @@ import codecs
 import math
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +60,7 @@ def sample_next_token(
         (b,) token ids.
     """
     _check_sampling(temperature, top_k, top_p)
+    logits = logits.float()  # probabilities in float32, whatever the model computed in
     if top_k is not None:
         k = min(top_k, logits.shape[-1])
         min_val = torch.topk(logits, k, dim=-1).values[:, -1:]  # (b, 1)
@@ -325,30 +325,18 @@ def _last_logits(
     mask: Tensor | None,
     caches: list | None,
 ) -> Tensor:
-    """Logits of the last position only, (b, vocab_size).
+    """Logits of the last position only, (b, vocab_size), in float32 for sampling.
 
-    The output head is a (vocab_size x emb_dim) matmul per position, the largest in a small
-    GPT; only the last position is sampled from, so the head sees only that one.
+    A GPTModel (compiled or not) runs its output head, the largest matmul of a small GPT,
+    on that position alone; any other module gets the book's call.
     """
-    with _head_on_last_position(model, enabled=idx.shape[1] > 1):
-        if caches is not None:
-            return model(idx, mask, kv_caches=caches)[:, -1, :]
-        if mask is not None:
-            return model(idx, mask)[:, -1, :]
-        return model(idx)[:, -1, :]  # the book's call, for any module
-
-
-@contextmanager
-def _head_on_last_position(model: nn.Module, enabled: bool):
-    head = getattr(model, "out_head", None)
-    if not enabled or not isinstance(head, nn.Module):
-        yield
-        return
-    handle = head.register_forward_pre_hook(lambda _module, args: (args[0][:, -1:, :],))
-    try:
-        yield
-    finally:
-        handle.remove()
+    if hasattr(model, "new_kv_caches"):
+        logits = model(idx, mask, kv_caches=caches, logits_to_keep=1)
+    elif mask is not None:
+        logits = model(idx, mask)
+    else:
+        logits = model(idx)  # the book's call, for any module
+    return logits[:, -1, :].float()
 
 
 def stream_text(

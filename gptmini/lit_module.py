@@ -1,5 +1,6 @@
 """The LightningModule that trains `GPTModel`: one shared step, AdamW, warmup + cosine."""
 
+import functools
 import math
 import random
 import time
@@ -7,28 +8,13 @@ import warnings
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.checkpoint import model_config
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
 from gptmini.tokenizer import get_tokenizer
-
-# Dense bf16 peak FLOP/s of common accelerators (vendor datasheets, no sparsity).
-PEAK_FLOPS_BY_DEVICE = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "A10G": 125e12,
-    "A10": 125e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "V100": 125e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "T4": 65e12,
-}
 
 
 class GPTLitModule(L.LightningModule):
@@ -77,7 +63,9 @@ class GPTLitModule(L.LightningModule):
         self.cfg = GPTConfig(vocab_size=get_tokenizer(tokenizer).n_vocab, **model)
         self.model = GPTModel(self.cfg)
         self._flops_per_token = flops_per_token(self.cfg)
-        self._last_step_time: float | None = None
+        self._watch = StepWatch()
+        self._window_start, self._window_tokens = 0.0, 0
+        self._bad_steps = self._first_bad_step = None  # tensors on the device, at train start
         self._peak_flops = peak_flops
         self._rng_to_restore: dict | None = None
         self.resuming = False
@@ -96,7 +84,7 @@ class GPTLitModule(L.LightningModule):
             # too); a resume restores each rank's own stream.
             torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
         if self._peak_flops is None:
-            self._peak_flops = peak_flops_of(self.device)
+            self._peak_flops = peak_flops_of(self.device, self._compute_dtype())
         if stage == "fit" and self.hparams.init_from and not self.resuming:
             self.load_pretrained(self.hparams.init_from)
 
@@ -128,82 +116,126 @@ class GPTLitModule(L.LightningModule):
     def forward(self, in_idx: Tensor) -> Tensor:
         return self.model(in_idx)
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch  # (b, num_tokens) each
-        logits = self.model(inputs)  # (b, num_tokens, vocab_size)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss.item()} at step {self.global_step}; the run stops here and the "
-                "last checkpoint (saved before this step) is intact. Lower "
-                "--model.learning_rate, raise --model.warmup_steps or set "
-                "--trainer.gradient_clip_val, then resume with --ckpt_path last"
-            )
-        self.log("train/loss", loss, prog_bar=True)
+        inputs, targets = batch  # (b, num_tokens) each
+        loss = self.model(inputs, targets=targets)  # the loss is computed inside the model
+        self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
         return loss
 
     def validation_step(self, batch, batch_idx: int):
-        loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        inputs, targets = batch
+        self.log("val/loss", self.model(inputs, targets=targets), sync_dist=True)
 
     def on_validation_epoch_end(self):
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
 
+    # --- non-finite steps: skipped on the device, reported at the next check
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None):
-        # One pass over the gradients measures their norm (logged, and checked before the
-        # weights change) and clips by it.
+        # One pass over the gradients measures their norm (logged), clips by it, and tells
+        # the optimizer whether the step is finite, all without waiting on the device.
         if gradient_clip_algorithm == "value":
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-            self._check_grad_norm(torch.linalg.vector_norm(norms))
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            return
-        max_norm = gradient_clip_val or math.inf  # None or 0: measure, do not clip
-        wrapped = self.trainer.strategy.model
-        if isinstance(wrapped, FullyShardedDataParallel):
-            norm = wrapped.clip_grad_norm_(max_norm)  # over the shards of every rank
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                         for g in grads]))
+            torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
-        self._check_grad_norm(norm)
-
-    def _check_grad_norm(self, norm: Tensor):
-        # fp16 mixed precision overflows on purpose; its grad scaler skips those steps.
-        if not torch.isfinite(norm) and not str(self.trainer.precision).startswith("16"):
-            raise FloatingPointError(
-                f"gradient norm is {norm.item()} at step {self.global_step}; the weights were "
-                "not updated and the last checkpoint is intact. Lower --model.learning_rate "
-                "or set --trainer.gradient_clip_val, then resume with --ckpt_path last"
-            )
+            max_norm = gradient_clip_val or math.inf  # None or 0: measure, do not clip
+            wrapped = self.trainer.strategy.model
+            if isinstance(wrapped, FullyShardedDataParallel):
+                norm = wrapped.clip_grad_norm_(max_norm)  # over the shards of every rank
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         self.log("train/grad_norm", norm)
+        self._skip_if_not_finite(optimizer, norm)
+
+    def _skip_if_not_finite(self, optimizer, norm: Tensor) -> None:
+        """A NaN or infinite loss or gradient never updates the weights.
+
+        Fused AdamW skips its update on the device when `found_inf` is set (what a grad
+        scaler does), so nothing waits for the answer; the step is counted on the device
+        and reported at the next logging step or checkpoint save. fp16 mixed precision
+        overflows on purpose and its grad scaler skips those steps itself.
+        """
+        if str(self.trainer.precision) == "16-mixed":
+            return
+        bad = ~torch.isfinite(norm)  # a NaN loss makes NaN gradients, hence a NaN norm
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()
+        elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
+            optimizer.zero_grad(set_to_none=True)
+        self._bad_steps += bad
+        self._first_bad_step = torch.where(
+            bad & (self._first_bad_step < 0), self.global_step, self._first_bad_step
+        )
+
+    def _reset_skip_counters(self) -> None:
+        self._bad_steps = torch.zeros((), dtype=torch.long, device=self.device)
+        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
+
+    def _raise_if_steps_were_skipped(self) -> None:
+        """The one wait on the device per logging interval (and per checkpoint)."""
+        skipped = int(self._bad_steps)
+        if skipped:
+            first = int(self._first_bad_step)
+            raise FloatingPointError(
+                f"the loss or gradient was not finite at step {first} ({skipped} step(s) up "
+                f"to step {self.global_step}); those steps were skipped, so the weights are "
+                "as before them, and the run stops here with the last checkpoint intact. "
+                "Lower --model.learning_rate, raise --model.warmup_steps or set "
+                "--trainer.gradient_clip_val, then resume with --ckpt_path last"
+            )
+
+    def on_train_start(self):
+        self._restore_rng_states()
+        self._reset_skip_counters()
+        self._watch.start(self.trainer)
+        self._window_start, self._window_tokens = time.perf_counter(), 0
+        if self.trainer.is_global_zero:
+            peak = f"{self._peak_flops / 1e12:.3g} TFLOP/s" if self._peak_flops else "unknown"
+            print(f"MFU: tokens/s x {self._flops_per_token / 1e6:.1f} MFLOP per token (6N + "
+                  f"12*L*T*d, N = matmul weights with the head) / peak ({peak} for "
+                  f"{self._dtype_name()} on {self.device.type})", flush=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int):
-        # Throughput over the whole step (data wait, forward, backward, optimizer).
+        self._window_tokens += batch[0].numel()
+        if not self._watch.stepped(self.trainer):
+            return  # inside a gradient accumulation
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return  # Lightning writes the logs at these same steps
+        self._raise_if_steps_were_skipped()
+        # Throughput over the logging interval (data wait, forward, backward, optimizer).
         now = time.perf_counter()
-        if self._last_step_time is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
-            tokens_per_sec = tokens / (now - self._last_step_time)
-            self.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
-            peak = self._peak_flops
-            if peak:
-                mfu = self._flops_per_token * tokens_per_sec / (peak * self.trainer.world_size)
-                self.log("train/mfu", mfu)
-        self._last_step_time = now
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], prog_bar=True)
+        tokens_per_sec = self._window_tokens * self.trainer.world_size / (now - self._window_start)
+        self._window_start, self._window_tokens = now, 0
+        self.log("train/tokens_per_sec", tokens_per_sec)
+        if self._peak_flops:
+            mfu = self._flops_per_token * tokens_per_sec / (self._peak_flops
+                                                             * self.trainer.world_size)
+            self.log("train/mfu", mfu)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
 
-    def on_validation_start(self):
-        self._last_step_time = None  # validation time is not training throughput
+    def on_validation_end(self):
+        # Validation time is not training throughput: the interval restarts after it.
+        self._window_start, self._window_tokens = time.perf_counter(), 0
 
     # --- exact resume: Lightning restores weights, optimizer, schedule and loops; the
     # random number generators (dropout) of every rank are ours to carry.
 
     def on_save_checkpoint(self, checkpoint: dict):
+        # Never a checkpoint of a run that went non-finite, nor one with NaN weights.
+        self._raise_if_steps_were_skipped()
+        if not all(bool(torch.isfinite(p).all()) for p in self.parameters()):
+            raise FloatingPointError(
+                f"the weights hold NaN or infinite values at step {self.global_step}, so no "
+                "checkpoint was written; the last one is intact. Resume from it with a lower "
+                "--model.learning_rate: --ckpt_path last"
+            )
         checkpoint["model_config"] = self.cfg.to_dict()  # rebuilds the model without us
+        checkpoint["precision"] = str(self.trainer.precision)  # kept by a resume's "auto"
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes
@@ -253,9 +285,9 @@ class GPTLitModule(L.LightningModule):
                 if i == 0:  # configure_optimizers' first group is the decayed one
                     group["weight_decay"] = hp.weight_decay
 
-    def on_train_start(self):
-        # Restored here, after the sanity-check validation, so that the first resumed step
-        # draws the same dropout masks the uninterrupted run drew.
+    def _restore_rng_states(self):
+        # Restored at train start, after the sanity-check validation, so that the first
+        # resumed step draws the same dropout masks the uninterrupted run drew.
         states, self._rng_to_restore = self._rng_to_restore, None
         if not states:
             return
@@ -284,7 +316,9 @@ class GPTLitModule(L.LightningModule):
             groups,
             lr=hp.learning_rate,
             betas=(hp.beta1, hp.beta2),
-            fused=self.device.type == "cuda",
+            # Fused: one kernel for all tensors, and it can skip a non-finite step on the
+            # device (see _skip_if_not_finite). CUDA and CPU have it.
+            fused=self.device.type in ("cuda", "cpu"),
         )
         total, warmup = self._total_steps(), self._warmup_steps()
         if warmup < hp.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
@@ -300,6 +334,16 @@ class GPTLitModule(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
         }
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in, from the trainer's precision."""
+        precision = str(self.trainer.precision)
+        if precision.startswith("bf16"):
+            return torch.bfloat16
+        return torch.float16 if precision.startswith("16") else torch.float32
+
+    def _dtype_name(self) -> str:
+        return str(self._compute_dtype()).removeprefix("torch.")
 
     def _total_steps(self) -> int:
         total = self.trainer.max_steps
@@ -339,29 +383,57 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def peak_flops_of(device: torch.device) -> float | None:
-    """Peak FLOP/s of one device: a table for known GPUs, a measurement on CPU."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_FLOPS_BY_DEVICE.items():
-            if key in name:
-                return flops
-        return None  # unknown GPU: no MFU rather than a wrong one
+def peak_flops_of(device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
+    """Peak FLOP/s of one device computing in `dtype`.
+
+    GPUs from Lightning's table, which tells an H100 SXM from a PCIe card and counts TF32
+    for float32 when matmuls may use it; a CPU by measuring its matmul rate in `dtype`, once
+    per process. None for a device neither knows.
+    """
     if device.type == "cpu":
-        return measure_matmul_flops()
-    return None
+        return measure_matmul_flops(dtype=dtype)
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops else None
 
 
-def measure_matmul_flops(size: int = 1024, seconds: float = 0.5) -> float:
-    """The CPU's fp32 matmul rate in FLOP/s, measured over about `seconds`."""
+@functools.cache
+def measure_matmul_flops(size: int = 1024, seconds: float = 0.5,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """The CPU's matmul rate in FLOP/s for `dtype`, measured over about `seconds` (cached)."""
     gen = torch.Generator().manual_seed(0)  # leaves the global generator (dropout) alone
-    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
     a @ b  # warm up threads and caches
     runs, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         a @ b
         runs += 1
     return 2 * size**3 * runs / elapsed
+
+
+class StepWatch:
+    """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
+
+    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation several
+    micro-batches share one `global_step`. `stepped` is true only at the batch whose optimizer
+    step just moved `global_step`: never for micro-batches before the first step or between
+    steps, and never for the step a resumed run starts from (`start` at `on_train_start`,
+    after the restore). Call `stepped` once per batch.
+    """
+
+    def __init__(self):
+        self.seen: int | None = None
+        self.since_step = 0
+        """Micro-batches done since the last optimizer step (0 right after one)."""
+
+    def start(self, trainer) -> None:
+        self.seen, self.since_step = trainer.global_step, 0
+
+    def stepped(self, trainer) -> bool:
+        step, seen = trainer.global_step, self.seen
+        self.seen = step
+        moved = step != seen and step > 0
+        self.since_step = 0 if moved else self.since_step + 1
+        return moved
 
 
 def _as_tuples(value):

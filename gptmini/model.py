@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptmini.attention import KVCache, MultiHeadAttention
@@ -241,22 +242,35 @@ class GPTModel(nn.Module):
         in_idx: Tensor,
         attention_mask: Tensor | None = None,
         *,
+        targets: Tensor | None = None,
+        reduction: str = "mean",
+        logits_to_keep: int | None = None,
         kv_caches: list[KVCache] | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
-        """Next-token logits for every position.
+        """Next-token logits for every position, or the loss against `targets`.
 
         Args:
             in_idx: (b, num_tokens) token ids.
             attention_mask: optional (b, num_keys) mask, 1 at real tokens and 0 at padding,
                 covering cached tokens too. Positions count from each row's first real
                 token, so a left-padded prompt is embedded as it would be alone.
+            targets: (b, num_tokens) the next token at each position; -100 marks a position
+                that counts for nothing. With targets the cross-entropy is returned instead
+                of the logits, computed here so that `torch.compile` fuses the head, the
+                float32 upcast and the loss, with no full-vocabulary float32 copy of the
+                logits outside the graph.
+            reduction: with targets, "mean" over the counted positions, "sum", or "none"
+                for one loss per position (b, num_tokens), 0 where targets are -100.
+            logits_to_keep: compute the logits of the last this many positions only (the
+                head is the largest matmul of a small GPT; generation needs one position).
             kv_caches: one `KVCache` per layer; new keys and values are appended.
             return_weights: also return each layer's attention weights
                 (b, n_heads, num_tokens, num_keys), from the explicit attention path.
 
         Returns:
-            Logits (b, num_tokens, vocab_size), and with `return_weights` the list of weights.
+            Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
+            with `return_weights` the list of weights; or, with targets, the float32 loss.
         """
         b, num_tokens = in_idx.shape
         past = len(kv_caches[0]) if kv_caches else 0
@@ -266,6 +280,9 @@ class GPTModel(nn.Module):
                 f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
                 f"tokens (idx[:, -{self.cfg.context_length}:])"
             )
+        if targets is not None and (return_weights or logits_to_keep is not None):
+            raise ValueError("with targets forward returns the loss; pass targets alone, or "
+                             "ask for logits (logits_to_keep, return_weights) without them")
         if attention_mask is None:
             positions = torch.arange(past, past + num_tokens, device=in_idx.device)  # (num_tokens,)
         else:
@@ -281,15 +298,38 @@ class GPTModel(nn.Module):
             if return_weights:
                 x, weights = x
                 all_weights.append(weights)
+        if logits_to_keep is not None:
+            x = x[:, -logits_to_keep:, :]  # (b, logits_to_keep, emb)
         logits = self.out_head(self.final_norm(x))  # (b, num_tokens, vocab_width)
         if self.cfg.vocab_width > self.cfg.vocab_size:
             # Padding ids are not tokens: no logit for them, so nothing can sample them.
             logits = logits[..., : self.cfg.vocab_size]  # (b, num_tokens, vocab_size)
+        if targets is not None:
+            return cross_entropy(logits, targets, reduction)
         return (logits, all_weights) if return_weights else logits
 
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
         return [KVCache() for _ in self.trf_blocks]
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross-entropy in float32, whatever the logits' dtype.
+
+    Args:
+        logits: (b, num_tokens, vocab_size).
+        targets: (b, num_tokens); -100 positions are ignored.
+        reduction: "mean", "sum" or "none" (per position, (b, num_tokens)).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(),  # (b * num_tokens, vocab_size): softmax in float32
+        targets.flatten(),
+        ignore_index=-100,
+        reduction=reduction,
+    )
+    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 def num_parameters(model: nn.Module, non_embedding: bool = False) -> int:

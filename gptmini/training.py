@@ -23,6 +23,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gptmini.callbacks import (
@@ -37,6 +38,7 @@ from gptmini.checkpoint import check_readable
 from gptmini.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import GPTDataModule
 from gptmini.lit_module import GPTLitModule
+from gptmini.precision import AUTO, auto_precision
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and every other config applies on top."""
@@ -47,6 +49,23 @@ TRAINER_DEFAULTS = {
     "use_distributed_sampler": False,  # GPTDataModule shards windows across ranks itself
     "default_root_dir": "runs",
 }
+
+
+class GPTTrainer(Trainer):
+    """Lightning's Trainer, whose precision may also be "auto" (the default): bf16-mixed
+    where the device computes bf16 natively, 32-true elsewhere (see gptmini.precision)."""
+
+    def __init__(self, *, precision: str | int | None = AUTO, **kwargs):
+        """Lightning's Trainer arguments.
+
+        Args:
+            precision: "auto" (bf16-mixed where the CPU or GPU has bf16 units, else
+                32-true; a resumed run keeps its checkpoint's), or any of Lightning's:
+                32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true.
+        """
+        if precision == AUTO:
+            precision, _ = auto_precision(kwargs.get("accelerator"))
+        super().__init__(precision=precision, **kwargs)
 
 
 class GPTCLI(LightningCLI):
@@ -89,7 +108,10 @@ class GPTCLI(LightningCLI):
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
         ]
         if cfg.trainer.enable_progress_bar is not False:
-            self.trainer_defaults["callbacks"].append(progress_bar())
+            # Refreshing reads the logged values off the device: only when they are logged.
+            every = max(1, cfg.trainer.log_every_n_steps) * max(
+                1, cfg.trainer.accumulate_grad_batches)
+            self.trainer_defaults["callbacks"].append(progress_bar(refresh_rate=every))
         if cfg.attention_every > 0:
             self.trainer_defaults["callbacks"].append(AttentionMapCallback(cfg.attention_every))
         # Checkpoints are written beside their target and renamed (see checkpoint_io).
@@ -99,6 +121,7 @@ class GPTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         check_intervals(self.config)
+        self._resolve_precision()
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -107,9 +130,36 @@ class GPTCLI(LightningCLI):
                 f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
             )
 
+    def _resolve_precision(self) -> None:
+        """--trainer.precision auto, decided here and said: a resumed run keeps the precision
+        its checkpoint was trained in, on whatever machine it resumes."""
+        trainer = self.config.trainer
+        if trainer.precision != AUTO:
+            return
+        saved = _saved_precision(self.config.ckpt_path, run_dir(self))
+        if saved is not None:
+            trainer.precision, why = saved, "kept from the checkpoint being resumed"
+        else:
+            trainer.precision, why = auto_precision(trainer.accelerator)
+        if rank_zero_only.rank == 0:
+            print(f"precision: {trainer.precision} (auto: {why})", flush=True)
+
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+
+
+def _saved_precision(ckpt_path: str | None, run: Path) -> str | None:
+    """The precision a checkpoint to resume was trained in (None: none, or unreadable;
+    fit() reports an unreadable one)."""
+    if ckpt_path is None:
+        return None
+    path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(
+            "precision")
+    except Exception:
+        return None
 
 
 def make_loggers(run_dir: Path, run_name: str, use_wandb: bool, project: str) -> list:
@@ -178,6 +228,7 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
     return GPTCLI(
         GPTLitModule,
         GPTDataModule,
+        trainer_class=GPTTrainer,
         args=args,
         run=False,
         seed_everything_default=1234,

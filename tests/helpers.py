@@ -106,6 +106,7 @@ def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
         "--trainer.default_root_dir", str(tmp_path / "runs"),
         "--run_name", "tiny",
         "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32-true",  # tests pin their precision (auto: bf16 on some CPUs)
         "--trainer.max_steps", "30",
         "--trainer.val_check_interval", "10",
         "--trainer.limit_val_batches", "4",

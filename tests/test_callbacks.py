@@ -134,8 +134,11 @@ def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
 
     from gptmini.callbacks import progress_bar
 
-    trainer = SimpleNamespace(loggers=[], progress_bar_metrics={
-        "train/loss": 5.4321, "train/lr": 1e-4, "train/tokens_per_sec": 1180.4, "val/loss": 5.5})
+    # The losses are tensors among the callback metrics; lr and tok/s plain progress-bar numbers.
+    trainer = SimpleNamespace(
+        loggers=[], progress_bar_metrics={"train/lr": 1e-4, "train/tokens_per_sec": 1180.4},
+        callback_metrics={"train/loss": torch.tensor(5.4321), "val/loss": torch.tensor(5.5),
+                          "train/lr": torch.tensor(1e-4)})
     shown = progress_bar().get_metrics(trainer, None)
     assert shown == {"loss": "5.432", "lr": "1.00e-04", "tok/s": "1180", "val_loss": "5.500"}
 

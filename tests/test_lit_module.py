@@ -60,24 +60,22 @@ def test_warmup_longer_than_the_run_is_clamped_to_the_run_with_a_warning():
     assert factors[1] == pytest.approx(1.0)  # warmed up exactly at the run's last step
 
 
-def test_nan_loss_stops_with_the_step_named():
-    module = GPTLitModule(**TINY)
-    with torch.no_grad():
-        module.model.tok_emb.weight[3] = math.nan
-    batch = (torch.full((1, 4), 3), torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(FloatingPointError, match="loss is nan at step 0"):
-        module.training_step(batch, 0)
-
-
-def _module_after_backward(scale: float) -> tuple[GPTLitModule, dict]:
+def _module_after_backward(scale: float, poison: bool = False):
+    """A module, its fused AdamW, and gradients of one batch (the loss times `scale`)."""
     module = GPTLitModule(**TINY)
     module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module),
                                      precision="32-true", global_step=7)
+    module._reset_skip_counters()
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
-    batch = (torch.randint(0, 50257, (2, 8)), torch.randint(0, 50257, (2, 8)))
-    (module._loss(batch) * scale).backward()
-    return module, logged
+    if poison:  # a NaN weight makes the loss NaN
+        with torch.no_grad():
+            module.model.tok_emb.weight[3] = math.nan
+    inputs = torch.randint(0, 50257, (2, 8))
+    inputs[0, 0] = 3
+    (module.model(inputs, targets=torch.randint(0, 50257, (2, 8))) * scale).backward()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=True)
+    return module, logged, optimizer
 
 
 def _grad_norm(module: GPTLitModule) -> float:
@@ -86,27 +84,50 @@ def _grad_norm(module: GPTLitModule) -> float:
 
 
 def test_clipping_logs_the_norm_before_clipping_and_clips_to_the_limit():
-    module, logged = _module_after_backward(scale=100.0)
+    module, logged, optimizer = _module_after_backward(scale=100.0)
     before = _grad_norm(module)
-    module.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    module.configure_gradient_clipping(optimizer, gradient_clip_val=1.0,
+                                       gradient_clip_algorithm="norm")
     assert logged["train/grad_norm"].item() == pytest.approx(before, rel=1e-5)
     assert before > 1.0 and _grad_norm(module) == pytest.approx(1.0, rel=1e-4)
 
 
 def test_without_a_clip_value_the_norm_is_logged_and_gradients_are_untouched():
-    module, logged = _module_after_backward(scale=100.0)
+    module, logged, optimizer = _module_after_backward(scale=100.0)
     grads = [p.grad.clone() for p in module.parameters()]
-    module.configure_gradient_clipping(None, gradient_clip_val=None)
+    module.configure_gradient_clipping(optimizer, gradient_clip_val=None)
     assert logged["train/grad_norm"].item() == pytest.approx(_grad_norm(module), rel=1e-5)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, module.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_infinite_gradient_stops_before_the_weights_change(algorithm):
-    module, _ = _module_after_backward(scale=1.0)
+@pytest.mark.parametrize("cause", ["inf gradient, clip by norm", "inf gradient, clip by value",
+                                   "nan loss"])
+def test_a_non_finite_step_never_updates_the_weights_and_stops_at_the_next_check(cause):
+    module, _, optimizer = _module_after_backward(scale=1.0, poison=cause == "nan loss")
+    if cause.startswith("inf"):
+        module.model.out_head.weight.grad[0, 0] = math.inf
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    algorithm = "value" if cause.endswith("value") else "norm"
+    module.configure_gradient_clipping(optimizer, 1.0, gradient_clip_algorithm=algorithm)
+    optimizer.step()  # fused AdamW skips on the device: no weight, no moment, no step count
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]) or value.isnan().any() == before[key].isnan().any()
+        assert torch.equal(value.nan_to_num(), before[key].nan_to_num()), key
+    assert all(float(s["step"]) == 0 for s in optimizer.state.values())
+    with pytest.raises(FloatingPointError, match="not finite at step 7 .1 step.s. up to step 7"):
+        module._raise_if_steps_were_skipped()
+
+
+def test_after_a_skipped_step_a_finite_one_updates_again():
+    module, _, optimizer = _module_after_backward(scale=1.0)
     module.model.out_head.weight.grad[0, 0] = math.inf
-    with pytest.raises(FloatingPointError, match="gradient norm is inf at step 7"):
-        module.configure_gradient_clipping(None, 1.0, gradient_clip_algorithm=algorithm)
+    module.configure_gradient_clipping(optimizer, 1.0)
+    optimizer.step()
+    weight = module.model.trf_blocks[0].att.W_query.weight.clone()
+    module.model.out_head.weight.grad[0, 0] = 0.0
+    module.configure_gradient_clipping(optimizer, 1.0)
+    optimizer.step()
+    assert not torch.equal(weight, module.model.trf_blocks[0].att.W_query.weight)
 
 
 def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():

@@ -217,3 +217,38 @@ def test_fit_vocab_names_a_wide_vocabulary_as_padding(tiny_config):
     assert wide.fit_vocab(128) is wide
     with pytest.raises(ValueError, match="its tokenizer has 200 ids"):
         wide.fit_vocab(200)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_targets_give_the_cross_entropy_of_the_logits(tiny_config, reduction):
+    model = GPTModel(tiny_config).eval()
+    idx, targets = torch.randint(0, 64, (3, 9)), torch.randint(0, 64, (3, 9))
+    targets[1, 4:] = -100  # positions that count for nothing
+    loss = model(idx, targets=targets, reduction=reduction)
+    per_token = F.cross_entropy(model(idx).flatten(0, 1).double(), targets.flatten(),
+                                ignore_index=-100, reduction="none").view(3, 9)
+    expected = {"mean": per_token.sum() / (targets != -100).sum(), "sum": per_token.sum(),
+                "none": per_token}[reduction]
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="reduction must be"):
+        model(idx, targets=targets, reduction="average")
+    with pytest.raises(ValueError, match="with targets forward returns the loss"):
+        model(idx, targets=targets, logits_to_keep=1)
+
+
+def test_a_bf16_model_returns_its_loss_in_float32(tiny_config):
+    model = GPTModel(tiny_config).to(torch.bfloat16)
+    loss = model(torch.randint(0, 64, (2, 5)), targets=torch.randint(0, 64, (2, 5)))
+    assert loss.dtype == torch.float32 and abs(loss.item() - math.log(64)) < 0.3
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_logits_to_keep_computes_only_the_last_positions(tiny_config, keep):
+    model = GPTModel(tiny_config).eval()
+    idx = torch.randint(0, 64, (2, 7))
+    head_rows = []
+    model.out_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[1]))
+    last = model(idx, logits_to_keep=keep)
+    assert head_rows == [keep] and last.shape == (2, keep, 64)
+    torch.testing.assert_close(last, model(idx)[:, -keep:], atol=1e-6, rtol=1e-6)

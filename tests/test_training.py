@@ -73,7 +73,7 @@ class PoisonAt(Callback):
 def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus):
     cli = build_cli(tiny_args(tmp_path, corpus, "--checkpoint_every", "1"))
     cli.trainer.callbacks.append(PoisonAt(7))
-    with pytest.raises(FloatingPointError, match="loss is nan at step 7"):
+    with pytest.raises(FloatingPointError, match="not finite at step 7"):
         fit(cli)
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
@@ -315,3 +315,97 @@ def test_only_train_py_keeps_freed_memory_and_then_large_tensors_stay_on_the_hea
         mmapped[mode] = int(proc.stdout.split()[-1])
     assert mmapped["entry"] <= 0  # served from the heap, kept for the next step
     assert mmapped["library"] >= 64 * 2**20  # glibc's default: a fresh mapping
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__format__",
+              "cpu", "numpy")
+"""Reading a tensor's value on the host: on a GPU, each of these waits for the device."""
+
+
+@pytest.mark.slow
+def test_no_tensor_is_read_on_the_host_between_logging_steps(tmp_path, corpus, monkeypatch):
+    """A CPU stand-in for torch.cuda.set_sync_debug_mode("error") (tests/test_gpu.py): every
+    host read of a tensor during training batches, with the batch it happened in."""
+    import traceback
+
+    reads, batch = [], {"index": None, "stepped_to": {}}
+
+    class Window(Callback):
+        def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+            batch["index"] = batch_idx
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+            batch["stepped_to"][batch_idx] = trainer.global_step
+
+        def on_train_end(self, trainer, pl_module):
+            batch["index"] = None
+
+    def recorded(name, original):
+        def read(tensor, *args, **kwargs):
+            if batch["index"] is not None:
+                stack = traceback.extract_stack(limit=9)[-8:-1]
+                where = "<".join(f"{f.name}:{f.lineno}" for f in stack)
+                reads.append((batch["index"], name, where))
+            return original(tensor, *args, **kwargs)
+        return read
+
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "12", "--checkpoint_every", "1000",
+                     "--trainer.val_check_interval", "1000", "--trainer.log_every_n_steps", "4",
+                     "--trainer.enable_progress_bar", "true",
+                     "--trainer.accumulate_grad_batches", "2")
+    cli = build_cli(args)
+    cli.trainer.callbacks.insert(0, Window())
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, recorded(name, getattr(torch.Tensor, name)))
+    fit(cli)
+    monkeypatch.undo()
+    assert batch["stepped_to"], "no batch ran"
+    logging = {i for i, step in batch["stepped_to"].items()
+               if step % 4 == 0 and step != batch["stepped_to"].get(i - 1)}
+    outside = [r for r in reads if r[0] not in logging]
+    assert not outside, outside[:10]
+    assert any(r[0] in logging for r in reads)  # the check does run at logging steps
+
+
+@pytest.mark.slow
+def test_bf16_mixed_on_cpu_trains_saves_and_generates_like_fp32(tmp_path, corpus, capsys):
+    """Precision pinned to bf16-mixed (CPU autocast), whatever this CPU's auto would pick."""
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.cli import generate_main
+    from gptmini.generation import generate
+
+    args = tiny_args(tmp_path, corpus, "--trainer.precision", "bf16-mixed",
+                     "--trainer.max_steps", "60", "--trainer.val_check_interval", "20")
+    assert main(args) == 0
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    train, val = column(rows, "train/loss"), column(rows, "val/loss")
+    assert train[-1] < train[0] - 3.0 and val[-1] < val[0] - 1.0
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["precision"] == "bf16-mixed"
+    capsys.readouterr()
+    assert generate_main(["--checkpoint", str(last), "--prompt", "Romeo said",
+                          "--max_new_tokens", "8", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("Romeo said")
+    model, tok, _ = load_checkpoint(last)
+    prompt = torch.tensor([tok.encode("Juliet said hello to the")])
+    fp32 = generate(model, prompt, 20)
+    bf16 = generate(model.to(torch.bfloat16), prompt, 20)
+    assert torch.equal(fp32, bf16), (tok.decode(fp32[0].tolist()), tok.decode(bf16[0].tolist()))
+
+
+@pytest.mark.slow
+def test_auto_precision_is_said_and_a_resume_keeps_the_checkpoints(tmp_path, corpus, capsys,
+                                                                   monkeypatch):
+    import gptmini.precision as precision
+
+    auto = [a for a in tiny_args(tmp_path, corpus, "--trainer.max_steps", "4")
+            if a not in ("--trainer.precision", "32-true")]
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)  # the first machine
+    assert main(auto) == 0
+    assert "precision: bf16-mixed (auto: the CPU has AVX512-BF16 or AMX)" in capsys.readouterr().out
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)  # resumed on another
+    cli = build_cli([*auto, "--trainer.max_steps", "6", "--ckpt_path", "last"])
+    assert "bf16-mixed (auto: kept from the checkpoint" in capsys.readouterr().out
+    assert str(cli.trainer.precision) == "bf16-mixed"
+    fit(cli)
+    assert str(build_cli([*auto, "--run_name", "other"]).trainer.precision) == "32-true"

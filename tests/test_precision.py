@@ -1,0 +1,52 @@
+"""The "auto" precision: bf16 where the hardware has bf16 units, float32 elsewhere."""
+
+import pytest
+import torch
+
+import gptmini.precision as precision
+from gptmini.precision import auto_dtype, auto_precision, cpu_has_bf16
+
+CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx2 {extra}\nbugs\t\t: none\n"
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be a CPU with the given extra flags (Linux, no GPU)."""
+
+    def with_flags(extra: str):
+        monkeypatch.setattr(precision.platform, "system", lambda: "Linux")
+        monkeypatch.setattr(precision.Path, "read_text",
+                            lambda self: CPUINFO.format(extra=extra))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        cpu_has_bf16.cache_clear()
+
+    yield with_flags
+    cpu_has_bf16.cache_clear()
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("avx512f avx512_bf16", "bf16-mixed"),  # e.g. AMD Zen 4/5, Intel Cooper Lake
+    ("avx512f amx_tile amx_bf16", "bf16-mixed"),  # Intel Sapphire Rapids and later
+    ("avx512f", "32-true"),  # AVX-512 without bf16
+    ("", "32-true"),  # AVX2 only: a bf16 matmul would crawl
+])
+def test_auto_is_bf16_only_on_cpus_with_bf16_units(cpu, flags, expected):
+    cpu(flags)
+    assert auto_precision("auto")[0] == expected == auto_precision("cpu")[0]
+    assert auto_dtype("auto", "cpu") == (torch.bfloat16 if expected == "bf16-mixed"
+                                         else torch.float32)
+
+
+def test_auto_on_a_gpu_asks_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    for bf16, expected in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+        assert auto_precision("auto")[0] == expected == auto_precision("gpu")[0]
+
+
+def test_explicit_choices_and_bad_names():
+    assert auto_dtype("float32", "cpu") == torch.float32
+    assert auto_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype 'half' is not one of auto, float32, bfloat16"):
+        auto_dtype("half", "cpu")
