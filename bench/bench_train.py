@@ -1,27 +1,28 @@
-"""Training throughput: the full train.py path against a plain PyTorch loop, one run.
+"""Training throughput on CPU: train.py against a plain PyTorch loop, fp32 and bf16, one run.
 
-Same GPTModel (4 layers, 4 heads, emb 256, context 256, batch 8, fp32), same AdamW and
-schedule, same data windows. Prints tokens/s of both, the overhead of Lightning, and MFU
-against the fp32 matmul peak measured here.
+Same GPTModel (4 layers, 4 heads, emb 256, batch 8; context 256 by default, 128 is the
+default run's), same AdamW and schedule, same data windows. Prints the CPU and its bf16
+flags, the matmul peak measured here for each precision, and for each precision the
+tokens/s and MFU of both paths, the overhead of Lightning, and bf16's speed-up.
 
-    python bench/bench_train.py [--steps 40] [--warmup 8]
+    python bench/bench_train.py [--steps 40] [--warmup 8] [--context 256]
 """
 
 import argparse
 import os
-import platform
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from gptmini.lit_module import lr_factor, measure_matmul_flops
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
+from gptmini.precision import CPU_BF16_FLAGS, cpu_has_bf16
 from gptmini.training import build_cli, fit, keep_freed_memory
 
-SHAPE = {"n_layers": 4, "n_heads": 4, "emb_dim": 256, "context_length": 256}
+SHAPE = {"n_layers": 4, "n_heads": 4, "emb_dim": 256}
 BATCH = 8
 
 
@@ -30,7 +31,7 @@ class StepTimer(Callback):
         self.warmup, self.start, self.steps = warmup, None, 0
 
     def on_train_batch_start(self, trainer, *args):
-        if trainer.global_step == self.warmup:
+        if trainer.global_step == self.warmup and self.start is None:
             self.start = time.perf_counter()
 
     def on_train_end(self, trainer, *args):
@@ -38,31 +39,33 @@ class StepTimer(Callback):
         self.steps = trainer.global_step - self.warmup
 
 
-def lightning_tokens_per_sec(steps: int, warmup: int, root: str) -> float:
-    args = ["--trainer.default_root_dir", root, "--run_name", "bench",
+def lightning_tokens_per_sec(steps: int, warmup: int, root: str, context: int, precision: str):
+    args = ["--trainer.default_root_dir", root, "--run_name", precision,
             "--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps + warmup),
+            "--trainer.precision", precision,
             "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "true",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_model_summary", "false",
             "--checkpoint_every", str(10**9), "--sample_every", "0",
             "--model.drop_rate", "0.0", "--model.warmup_steps", "10",
-            "--data.batch_size", str(BATCH)]
+            "--data.batch_size", str(BATCH), f"--model.context_length={context}"]
     args += [f"--model.{key}={value}" for key, value in SHAPE.items()]
     cli = build_cli(args)
     timer = StepTimer(warmup)
     cli.trainer.callbacks.append(timer)
     fit(cli)
-    return timer.steps * BATCH * SHAPE["context_length"] / timer.seconds, cli
+    return timer.steps * BATCH * context / timer.seconds, cli
 
 
-def plain_tokens_per_sec(steps: int, warmup: int, loader) -> float:
+def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precision: str) -> float:
     torch.manual_seed(1234)
-    cfg = GPTConfig(vocab_size=50257, drop_rate=0.0, tie_weights=True, **SHAPE)
+    cfg = GPTConfig(vocab_size=50257, drop_rate=0.0, tie_weights=True, context_length=context,
+                    **SHAPE)
     model = GPTModel(cfg).train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95),
+        lr=1e-3, betas=(0.9, 0.95), fused=True,
     )
     total = steps + warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -73,43 +76,72 @@ def plain_tokens_per_sec(steps: int, warmup: int, loader) -> float:
         if step == warmup:
             start = time.perf_counter()
         inputs, targets = next(batches)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = model(inputs, targets=targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-    return steps * BATCH * SHAPE["context_length"] / (time.perf_counter() - start)
+    return steps * BATCH * context / (time.perf_counter() - start)
+
+
+def cpu_description() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    lines = text.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    simd = [f for f in flags if f in ("avx2", "avx512f", *CPU_BF16_FLAGS, "amx_tile")]
+    return f"{name} ({' '.join(simd) or 'no AVX2'})"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
     args = parser.parse_args()
 
     # Both paths run in this process, so both get what train.py does: freed memory is kept
-    # for reuse (without it, on this 2-core machine: plain 933, Lightning 867 tok/s).
+    # for reuse (see gptmini.training.keep_freed_memory).
     kept = keep_freed_memory()
-    peak = measure_matmul_flops(size=1024, seconds=2.0)
-    cfg = GPTConfig(vocab_size=50257, tie_weights=True, **SHAPE)
+    precisions = ["32-true"] + (["bf16-mixed"] if cpu_has_bf16() else [])
+    peaks = {p: measure_matmul_flops(seconds=2.0, dtype=torch.bfloat16 if "bf16" in p
+                                     else torch.float32) for p in precisions}
+    cfg = GPTConfig(vocab_size=50257, tie_weights=True, context_length=args.context, **SHAPE)
     flops = flops_per_token(cfg)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"glibc keeps freed memory: {kept}")
-    print(f"fp32 matmul peak measured here: {peak / 1e9:.1f} GFLOP/s (1024x1024 matmuls)")
-    print(f"model: {SHAPE}, batch {BATCH}, {flops / 1e6:.1f} MFLOP per trained token")
+    print(f"machine: {cpu_description()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, glibc keeps freed memory: {kept}")
+    print("matmul peak measured here (1024x1024): " + ", ".join(
+        f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in precisions))
+    if not cpu_has_bf16():
+        print("this CPU has no bf16 units (avx512_bf16 or amx_bf16): bf16-mixed not measured")
+    print(f"model: {SHAPE}, context {args.context}, batch {BATCH}, "
+          f"{flops / 1e6:.1f} MFLOP per trained token (6N + 12*L*T*d)")
 
+    rates = {}
     with tempfile.TemporaryDirectory() as root:
-        lit, cli = lightning_tokens_per_sec(args.steps, args.warmup, root)
-        plain = plain_tokens_per_sec(args.steps, args.warmup, cli.datamodule.train_dataloader())
+        for precision in precisions:
+            lit, cli = lightning_tokens_per_sec(args.steps, args.warmup, root, args.context,
+                                                precision)
+            plain = plain_tokens_per_sec(args.steps, args.warmup,
+                                         cli.datamodule.train_dataloader(), args.context,
+                                         precision)
+            rates[precision] = (plain, lit)
 
-    print(f"\n{'path':<28}{'tokens/s':>10}{'MFU vs peak':>14}")
-    for name, rate in (("plain PyTorch loop", plain), ("train.py (Lightning)", lit)):
-        print(f"{name:<28}{rate:>10.0f}{flops * rate / peak:>13.1%}")
-    print(f"\nLightning overhead: {(plain - lit) / plain:+.1%} of the plain loop's throughput "
-          "(goal: within 3%)")
+    print(f"\n{'precision':<12}{'path':<24}{'tokens/s':>10}{'MFU vs peak':>13}")
+    for precision, (plain, lit) in rates.items():
+        for name, rate in (("plain PyTorch loop", plain), ("train.py (Lightning)", lit)):
+            print(f"{precision:<12}{name:<24}{rate:>10.0f}{flops * rate / peaks[precision]:>12.1%}")
+        print(f"{'':<12}Lightning overhead: {(plain - lit) / plain:+.1%} of the plain loop "
+              "(goal: within 3%)")
+    if "bf16-mixed" in rates:
+        speedup = rates["bf16-mixed"][1] / rates["32-true"][1]
+        print(f"\nbf16-mixed vs 32-true through train.py: {speedup:.2f}x (goal: >= 1.8x)")
 
 
 if __name__ == "__main__":

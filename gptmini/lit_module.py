@@ -30,6 +30,7 @@ class GPTLitModule(L.LightningModule):
         beta2: float = 0.95,
         compile: bool = False,
         peak_flops: float | None = None,
+        loss_chunk_size: int | None = None,
         **model,
     ):
         """A GPT and how it is optimized.
@@ -49,7 +50,10 @@ class GPTLitModule(L.LightningModule):
             beta2: AdamW beta2.
             compile: Compile the model with torch.compile.
             peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
-                measures the CPU's fp32 matmul rate once at start.
+                measures the CPU's matmul rate in the training dtype, once per process.
+            loss_chunk_size: Compute the head and the loss this many positions at a time,
+                recomputing them in backward: far less memory for the logits (4x less for
+                8 x 1024 positions of GPT-2's vocabulary) for some more time. None: at once.
             **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
                 GPTConfig's defaults; the command line's defaults come from the default run
                 config. vocab_size is not one of them: it follows the tokenizer.
@@ -118,13 +122,15 @@ class GPTLitModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         inputs, targets = batch  # (b, num_tokens) each
-        loss = self.model(inputs, targets=targets)  # the loss is computed inside the model
+        loss = self.model(inputs, targets=targets,  # the loss is computed inside the model
+                          loss_chunk_size=self.hparams.loss_chunk_size)
         self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
         return loss
 
     def validation_step(self, batch, batch_idx: int):
         inputs, targets = batch
-        self.log("val/loss", self.model(inputs, targets=targets), sync_dist=True)
+        loss = self.model(inputs, targets=targets, loss_chunk_size=self.hparams.loss_chunk_size)
+        self.log("val/loss", loss, sync_dist=True)
 
     def on_validation_epoch_end(self):
         val_loss = self.trainer.callback_metrics.get("val/loss")

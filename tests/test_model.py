@@ -252,3 +252,18 @@ def test_logits_to_keep_computes_only_the_last_positions(tiny_config, keep):
     last = model(idx, logits_to_keep=keep)
     assert head_rows == [keep] and last.shape == (2, keep, 64)
     torch.testing.assert_close(last, model(idx)[:, -keep:], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_chunked_loss_equals_the_whole_one_with_its_gradients(tiny_config, reduction):
+    model = GPTModel(tiny_config).double()
+    idx, targets = torch.randint(0, 64, (3, 10)), torch.randint(0, 64, (3, 10))
+    targets[2, :3] = -100
+    whole = model(idx, targets=targets, reduction=reduction)
+    grads = torch.autograd.grad(whole.sum(), list(model.parameters()))
+    chunked = model(idx, targets=targets, reduction=reduction, loss_chunk_size=7)
+    assert whole.dtype == chunked.dtype == torch.float64
+    torch.testing.assert_close(chunked, whole)
+    for a, b in zip(torch.autograd.grad(chunked.sum(), list(model.parameters())), grads,
+                    strict=True):
+        torch.testing.assert_close(a, b)
