@@ -5,7 +5,7 @@ default run's), same AdamW and schedule, same data windows. Prints the CPU and i
 flags, the matmul peak measured here for each precision, and for each precision the
 tokens/s and MFU of both paths, the overhead of Lightning, and bf16's speed-up.
 
-    python bench/bench_train.py [--steps 40] [--warmup 8] [--context 256]
+    python bench/bench_train.py [--steps 40] [--warmup 8] [--context 256] [--precision both]
 """
 
 import argparse
@@ -104,12 +104,16 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--precision", choices=["both", "32-true", "bf16-mixed"],
+                        default="both", help="both: bf16-mixed too where the CPU has bf16 units")
     args = parser.parse_args()
 
     # Both paths run in this process, so both get what train.py does: freed memory is kept
     # for reuse (see gptmini.training.keep_freed_memory).
     kept = keep_freed_memory()
     precisions = ["32-true"] + (["bf16-mixed"] if cpu_has_bf16() else [])
+    if args.precision != "both":
+        precisions = [args.precision]
     peaks = {p: measure_matmul_flops(seconds=2.0, dtype=torch.bfloat16 if "bf16" in p
                                      else torch.float32) for p in precisions}
     cfg = GPTConfig(vocab_size=50257, tie_weights=True, context_length=args.context, **SHAPE)
