@@ -1,4 +1,4 @@
-"""Causal multi-head attention (the book's Listing 3.5) and the masks it combines.
+"""Multi-head attention (the book's Listing 3.5) and the kernels it can run on.
 
 Letters in the shape comments:
     b             batch size
@@ -8,56 +8,35 @@ Letters in the shape comments:
     num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
     head_dim      d_out // num_heads
 
-One mask convention everywhere: True means "may attend". Masks are small boolean
-functions combined with `&`; the attention module negates the result once, where the seed
-fills scores with -inf.
+Masks come from gptmini.masks, written once (True means "may attend"); this module picks
+which apply (causal or full, a window, padding, documents) and hands them to one backend:
+
+    sdpa      F.scaled_dot_product_attention, is_causal=True whenever no other mask applies
+              (flash kernels stay eligible on GPUs), else a dense boolean mask
+    explicit  the book's scores, masked_fill_ with -inf, softmax, dropout: the reference,
+              and the only one that returns the weights
+    flex      torch.nn.attention.flex_attention, compiled, with a BlockMask: masked blocks
+              are skipped. No backward on CPU (torch 2.13), so on CPU it serves evaluation
+              and generation, not training; decoding with a KV cache runs on sdpa
+    tiled     gptmini.flash: flash attention from scratch, memory linear in the length
+
+A query with no key to attend (left padding) gets a zero output, never NaN, on every one.
+flex and tiled have no attention dropout: they refuse a dropout above 0 in training (set
+the attention's own rate to 0: GPTConfig.attn_drop_rate).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gptmini import masks
+from gptmini.flash import tiled_attention
 
-def causal_mask(num_tokens: int, num_keys: int | None = None, device=None) -> Tensor:
-    """Query i may attend key j when j <= i.
-
-    The queries are the last `num_tokens` of `num_keys` positions, which is what a KV
-    cache needs: a new token at absolute position p sees every cached key.
-
-    Returns:
-        Bool tensor of shape (num_tokens, num_keys).
-    """
-    num_keys = num_tokens if num_keys is None else num_keys
-    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]  # (q, 1)
-    key_pos = torch.arange(num_keys, device=device)[None, :]  # (1, num_keys)
-    return key_pos <= query_pos
-
-
-def sliding_window_mask(
-    num_tokens: int, num_keys: int, window_size: int, device=None
-) -> Tensor:
-    """Query i may attend key j when j > i - window_size (combine with `causal_mask`).
-
-    Together with the causal mask, query i sees keys i - window_size + 1 ... i.
-
-    Returns:
-        Bool tensor of shape (num_tokens, num_keys).
-    """
-    query_pos = torch.arange(num_keys - num_tokens, num_keys, device=device)[:, None]  # (q, 1)
-    key_pos = torch.arange(num_keys, device=device)[None, :]  # (1, num_keys)
-    return key_pos > query_pos - window_size
-
-
-def padding_mask(attention_mask: Tensor) -> Tensor:
-    """Every query may attend the real (non-padding) keys of its own sequence.
-
-    Args:
-        attention_mask: (b, num_keys), nonzero/True at real tokens, 0/False at padding.
-
-    Returns:
-        Bool tensor of shape (b, 1, 1, num_keys), broadcasting over heads and queries.
-    """
-    return attention_mask.bool()[:, None, None, :]  # (b, 1, 1, num_keys)
+BACKENDS = ("sdpa", "explicit", "flex", "tiled")
+COMPILE_FLEX = True
+"""Compile FlexAttention (its fast path). Tests switch it off: eager flex is the same math."""
 
 
 class KVCache:
@@ -132,7 +111,7 @@ def _drop_book_mask(module, state_dict, prefix, *args):
 
 
 class MultiHeadAttention(nn.Module):
-    """Causal multi-head self-attention, constructed exactly as the book's Listing 3.5.
+    """Multi-head self-attention, constructed exactly as the book's Listing 3.5.
 
     The parameters `W_query`, `W_key`, `W_value`, `out_proj` are created in the book's
     order, so under the same `torch.manual_seed` this module starts from the book's
@@ -141,9 +120,10 @@ class MultiHeadAttention(nn.Module):
     Beyond the book, as keyword-only options:
         num_kv_heads: grouped-query attention; `num_kv_heads` key/value heads, each shared
             by `num_heads // num_kv_heads` query heads (1 is multi-query attention).
-        window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i.
-        use_sdpa: compute through `F.scaled_dot_product_attention` (fused kernels, flash
-            on GPUs); False runs the book's explicit scores-mask-softmax path.
+        window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
+            (with causal=False: keys less than window_size away on either side).
+        causal: False attends both ways, as seed 002's encoder does.
+        backend: "sdpa" (default), "explicit", "flex" or "tiled" (see the module's docstring).
     """
 
     def __init__(
@@ -157,7 +137,8 @@ class MultiHeadAttention(nn.Module):
         *,
         num_kv_heads: int | None = None,
         window_size: int | None = None,
-        use_sdpa: bool = True,
+        causal: bool = True,
+        backend: str = "sdpa",
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -178,13 +159,18 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = d_out // num_heads
         self.context_length = context_length
         self.window_size = window_size
-        self.use_sdpa = use_sdpa
+        self.causal = causal
+        self.backend = backend
+        self.tile = 128
+        """Queries and keys per tile of the tiled backend."""
 
         kv_dim = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -193,7 +179,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         # The book registers its triangular mask as a buffer; here masks are built per call
-        # from the functions above, so they also cover caches, windows and padding, and
+        # (gptmini.masks), so they also cover caches, windows, padding and documents, and
         # checkpoints do not carry a context_length^2 tensor per layer. The book's state
         # dicts still load: their "mask" entry is dropped, as it is fixed by context_length.
         self.register_load_state_dict_pre_hook(_drop_book_mask)
@@ -203,15 +189,18 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         attention_mask: Tensor | None = None,
         *,
+        document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend causally over `x` (and the cached tokens before it).
+        """Attend over `x` (and the cached tokens before it).
 
         Args:
             x: (b, num_tokens, d_in).
             attention_mask: optional (b, num_keys) mask of real tokens (1) and padding (0),
                 covering cached and new tokens.
+            document_ids: optional (b, num_keys) id of each token's document, for several
+                documents packed in one window: a query sees only its own document's keys.
             kv_cache: optional cache; the new keys and values are appended to it.
             return_weights: also return the attention weights, computed on the explicit
                 path (the weights the output was really computed from).
@@ -240,25 +229,54 @@ class MultiHeadAttention(nn.Module):
                 f"{self.context_length}; crop the input to its last {self.context_length} "
                 "tokens"
             )
-        if attention_mask is not None and attention_mask.shape != (b, num_keys):
+        for name, per_key in (("attention_mask", attention_mask), ("document_ids", document_ids)):
+            if per_key is not None and per_key.shape != (b, num_keys):
+                raise ValueError(
+                    f"{name} must have shape (batch, num_keys) = ({b}, {num_keys}), got "
+                    f"{tuple(per_key.shape)}; with a KV cache it covers cached tokens too"
+                )
+
+        mask = self._mask(num_tokens, num_keys, attention_mask, document_ids)
+        backend = "explicit" if return_weights else self.backend
+        if backend == "flex" and kv_cache is not None:
+            backend = "sdpa"  # one block mask (and one compile) per length would not pay
+        dropout_p = self.dropout.p if self.training else 0.0
+        if backend in ("flex", "tiled") and dropout_p > 0:
             raise ValueError(
-                f"attention_mask must have shape (batch, num_keys) = ({b}, {num_keys}), "
-                f"got {tuple(attention_mask.shape)}; with a KV cache it covers cached tokens too"
+                f"the {backend} attention backend has no attention dropout, and this module "
+                f"is training with dropout {dropout_p}: set the attention dropout to 0 "
+                "(--model.attn_drop_rate 0) or use the sdpa or explicit backend"
             )
-
-        allowed = self._allowed(num_tokens, num_keys, attention_mask, x.device)
-        empty_rows = None
-        if allowed is not None and attention_mask is not None:
-            # A query with no allowed key (left padding) would softmax over -inf only and
-            # give NaN; let it see every key, then zero its output.
-            empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1)
-            allowed = allowed | empty_rows
-
-        if self.use_sdpa and not return_weights:
-            context_vec = self._sdpa(queries, keys, values, allowed, num_tokens, num_keys)
-            weights = None
+        weights = None
+        if backend in ("sdpa", "explicit"):
+            allowed = None if mask is None else masks.dense(mask, b, num_tokens, num_keys,
+                                                            x.device)
+            empty_rows = None
+            if allowed is not None and attention_mask is not None:
+                # A query with no allowed key (left padding) would softmax over -inf only
+                # and give NaN; let it see every key, then zero its output.
+                empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1)
+                allowed = allowed | empty_rows
+            if backend == "sdpa":
+                context_vec = self._sdpa(queries, keys, values, allowed, dropout_p,
+                                         plain_causal=self._plain_causal(mask, num_tokens,
+                                                                         num_keys))
+            else:
+                context_vec, weights = self._explicit(queries, keys, values, allowed,
+                                                      empty_rows)
         else:
-            context_vec, weights = self._explicit(queries, keys, values, allowed, empty_rows)
+            empty_rows = None
+            if attention_mask is not None:  # only padding can leave a query no key at all
+                has_key = masks.rows_with_keys(mask, b, num_tokens, num_keys, x.device)
+                empty_rows = ~has_key[:, None, :, None]  # (b, 1, num_tokens, 1)
+            if backend == "flex":
+                context_vec = self._flex(queries, keys, values, mask, b, num_tokens, num_keys,
+                                         attention_mask, document_ids)
+            else:
+                group = self.num_heads // self.num_kv_heads
+                context_vec = tiled_attention(queries, keys.repeat_interleave(group, dim=1),
+                                              values.repeat_interleave(group, dim=1), mask,
+                                              tile=self.tile)
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
@@ -267,30 +285,28 @@ class MultiHeadAttention(nn.Module):
             out = out.masked_fill(empty_rows[:, 0], 0.0)  # (b, num_tokens, 1) broadcast
         return (out, weights) if return_weights else out
 
-    def _allowed(
-        self, num_tokens: int, num_keys: int, attention_mask: Tensor | None, device
-    ) -> Tensor | None:
-        """The combined mask, or None when a single query may see every key."""
-        if num_tokens == 1 and attention_mask is None and (
-            self.window_size is None or num_keys <= self.window_size
-        ):
-            return None
-        allowed = causal_mask(num_tokens, num_keys, device)  # (num_tokens, num_keys)
-        if self.window_size is not None:
-            allowed = allowed & sliding_window_mask(num_tokens, num_keys, self.window_size, device)
+    def _mask(self, num_tokens: int, num_keys: int, attention_mask: Tensor | None,
+              document_ids: Tensor | None) -> masks.MaskMod | None:
+        """The mask of this call, or None when every query may see every key."""
+        parts = []
+        if self.causal and not (num_tokens == 1 and num_keys >= 1):
+            parts.append(masks.causal)  # a single newest query sees every earlier key anyway
+        window = self.window_size
+        if window is not None and num_keys > window:  # else no query is farther than it
+            parts.append(masks.sliding_window(window))
         if attention_mask is not None:
-            allowed = allowed & padding_mask(attention_mask)  # (b, 1, num_tokens, num_keys)
-        return allowed
+            parts.append(masks.padding(attention_mask))
+        if document_ids is not None:
+            parts.append(masks.document(document_ids))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else masks.and_masks(*parts)
 
-    def _sdpa(self, queries, keys, values, allowed, num_tokens, num_keys) -> Tensor:
-        dropout_p = self.dropout.p if self.training else 0.0
+    def _plain_causal(self, mask, num_tokens: int, num_keys: int) -> bool:
+        return mask is masks.causal and num_tokens == num_keys
+
+    def _sdpa(self, queries, keys, values, allowed, dropout_p, plain_causal) -> Tensor:
         gqa = self.num_kv_heads != self.num_heads
-        plain_causal = (
-            allowed is not None
-            and num_tokens == num_keys
-            and self.window_size is None
-            and allowed.dim() == 2
-        )
         if plain_causal:
             # is_causal with no explicit mask keeps flash kernels eligible on GPUs.
             return F.scaled_dot_product_attention(
@@ -317,3 +333,60 @@ class MultiHeadAttention(nn.Module):
             attn_weights = attn_weights.masked_fill(empty_rows, 0.0)
         attn_weights = self.dropout(attn_weights)
         return attn_weights.to(values.dtype) @ values, attn_weights
+
+    def _flex(self, queries, keys, values, mask, b, num_tokens, num_keys, attention_mask,
+              document_ids) -> Tensor:
+        if queries.requires_grad and queries.device.type == "cpu":
+            raise ValueError(
+                "the flex attention backend has no backward pass on CPU (torch's FlexAttention "
+                "runs forward only there): evaluate or generate with flex on CPU, and train "
+                "with the sdpa, explicit or tiled backend, or on a GPU"
+            )
+        if mask is None:
+            block = None
+        elif attention_mask is None and document_ids is None:  # the same for every batch
+            block = _fixed_block_mask(self.causal, self.window_size, num_tokens, num_keys,
+                                      str(queries.device))
+        else:  # data-dependent: rebuilt per batch, once for all layers of a forward pass
+            block = _data_block_mask(mask, attention_mask, document_ids, b, num_tokens,
+                                     num_keys)
+        return _flex_attention()(queries, keys, values, block_mask=block,
+                                 enable_gqa=self.num_kv_heads != self.num_heads)
+
+
+@functools.cache
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not COMPILE_FLEX or torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled model the outer compile covers it
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_keys: int,
+                      device: str):
+    parts = [masks.causal if causal else masks.full]
+    if window is not None:
+        parts.append(masks.sliding_window(window))
+    mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+    return masks.block_mask(mask, None, num_tokens, num_keys, device)
+
+
+_last_data_block: tuple = ()
+
+
+def _data_block_mask(mask, attention_mask, document_ids, b, num_tokens, num_keys):
+    """Every layer of one forward pass gets the same padding and document tensors: build
+    their BlockMask once, keyed by those very tensor objects (held, so no id is reused)."""
+    global _last_data_block
+    key = (attention_mask, document_ids, b, num_tokens, num_keys)
+    if _last_data_block and all(
+        x is y if isinstance(x, Tensor) or x is None else x == y
+        for x, y in zip(_last_data_block[0], key, strict=True)
+    ):
+        return _last_data_block[1]
+    device = (attention_mask if attention_mask is not None else document_ids).device
+    block = masks.block_mask(mask, b, num_tokens, num_keys, device)
+    _last_data_block = (key, block)
+    return block

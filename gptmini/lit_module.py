@@ -120,17 +120,20 @@ class GPTLitModule(L.LightningModule):
     def forward(self, in_idx: Tensor) -> Tensor:
         return self.model(in_idx)
 
+    def _loss(self, batch) -> Tensor:
+        # (inputs, targets) or, with document masks, (inputs, targets, document ids): each
+        # (b, num_tokens). The loss is computed inside the model.
+        inputs, targets, *documents = batch
+        return self.model(inputs, targets=targets, document_ids=documents[0] if documents
+                          else None, loss_chunk_size=self.hparams.loss_chunk_size)
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        inputs, targets = batch  # (b, num_tokens) each
-        loss = self.model(inputs, targets=targets,  # the loss is computed inside the model
-                          loss_chunk_size=self.hparams.loss_chunk_size)
+        loss = self._loss(batch)
         self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
         return loss
 
     def validation_step(self, batch, batch_idx: int):
-        inputs, targets = batch
-        loss = self.model(inputs, targets=targets, loss_chunk_size=self.hparams.loss_chunk_size)
-        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/loss", self._loss(batch), sync_dist=True)
 
     def on_validation_epoch_end(self):
         val_loss = self.trainer.callback_metrics.get("val/loss")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import KVCache, MultiHeadAttention
+from gptmini.attention import BACKENDS, KVCache, MultiHeadAttention
 
 # The book's configuration dictionary, field for field.
 GPT_CONFIG_124M = {
@@ -42,7 +42,8 @@ class GPTConfig:
     n_layers: int = 12
     """Transformer blocks."""
     drop_rate: float = 0.1
-    """Dropout on embeddings, attention weights and residual branches."""
+    """Dropout on embeddings and residual branches, and on attention weights unless
+    attn_drop_rate says otherwise."""
     qkv_bias: bool = False
     """Bias in the query, key and value projections (GPT-2 has it)."""
     n_kv_heads: int | None = None
@@ -51,6 +52,11 @@ class GPTConfig:
     """Sliding-window attention: each token sees this many most recent tokens; None = all."""
     tie_weights: bool = False
     """Share the token embedding with the output head (GPT-2 does; the book does not)."""
+    attention_backend: str = "sdpa"
+    """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
+    (FlexAttention, compiled; forward only on CPU) or tiled (flash attention from scratch)."""
+    attn_drop_rate: float | None = None
+    """Dropout on attention weights; None: drop_rate. flex and tiled train only with 0."""
     padded_vocab_size: int | None = None
     """Width of the embedding and output head, if wider than vocab_size (e.g. 50304, a multiple
     of 64, for faster matmuls); the ids past vocab_size are never predicted. None: vocab_size."""
@@ -83,6 +89,14 @@ class GPTConfig:
                 "window_size",
                 "use a positive integer, or None for full causal attention",
             )
+        need(
+            self.attention_backend in BACKENDS,
+            "attention_backend",
+            f"use one of {', '.join(BACKENDS)}",
+        )
+        if self.attn_drop_rate is not None:
+            need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
+                 "use a value in [0, 1), or None for drop_rate")
         if self.padded_vocab_size is not None:
             need(
                 isinstance(self.padded_vocab_size, int)
@@ -167,11 +181,12 @@ class TransformerBlock(nn.Module):
             d_in=cfg.emb_dim,
             d_out=cfg.emb_dim,
             context_length=cfg.context_length,
-            dropout=cfg.drop_rate,
+            dropout=cfg.drop_rate if cfg.attn_drop_rate is None else cfg.attn_drop_rate,
             num_heads=cfg.n_heads,
             qkv_bias=cfg.qkv_bias,
             num_kv_heads=cfg.n_kv_heads,
             window_size=cfg.window_size,
+            backend=cfg.attention_backend,
         )
         self.ff = FeedForward(cfg)
         self.norm1 = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
@@ -184,10 +199,10 @@ class TransformerBlock(nn.Module):
         attention_mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_weights: bool = False,
+        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        att = self.att(
-            self.norm1(x), attention_mask, kv_cache=kv_cache, return_weights=return_weights
-        )
+        att = self.att(self.norm1(x), attention_mask, document_ids=document_ids,
+                       kv_cache=kv_cache, return_weights=return_weights)
         weights = None
         if return_weights:
             att, weights = att
@@ -249,6 +264,7 @@ class GPTModel(nn.Module):
         logits_to_keep: int | None = None,
         kv_caches: list[KVCache] | None = None,
         return_weights: bool = False,
+        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Next-token logits for every position, or the loss against `targets`.
 
@@ -274,6 +290,10 @@ class GPTModel(nn.Module):
             kv_caches: one `KVCache` per layer; new keys and values are appended.
             return_weights: also return each layer's attention weights
                 (b, n_heads, num_tokens, num_keys), from the explicit attention path.
+            document_ids: (b, num_keys) the document of each token when several are packed
+                in one window: no token attends across a document's edge, and positions
+                count from each document's first token, as generation counts from a
+                prompt's (so a document looks the same wherever the window cut it).
 
         Returns:
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
@@ -290,7 +310,9 @@ class GPTModel(nn.Module):
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
-        if attention_mask is None:
+        if document_ids is not None:
+            positions = _positions_in_document(document_ids)[:, -num_tokens:]  # (b, num_tokens)
+        elif attention_mask is None:
             positions = torch.arange(past, past + num_tokens, device=in_idx.device)  # (num_tokens,)
         else:
             # Position of each token among its row's real tokens: (b, num_keys)
@@ -301,7 +323,7 @@ class GPTModel(nn.Module):
         all_weights = []
         for i, block in enumerate(self.trf_blocks):
             cache = kv_caches[i] if kv_caches else None
-            x = block(x, attention_mask, cache, return_weights)
+            x = block(x, attention_mask, cache, return_weights, document_ids)
             if return_weights:
                 x, weights = x
                 all_weights.append(weights)
@@ -339,6 +361,15 @@ class GPTModel(nn.Module):
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
         return [KVCache() for _ in self.trf_blocks]
+
+
+def _positions_in_document(document_ids: Tensor) -> Tensor:
+    """(b, n): each token's position counted from the first token of its document."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # a new document begins
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # (b, n) its document's start
+    return index - first
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:

@@ -33,6 +33,16 @@ def _local_only(connect):
 
 
 @pytest.fixture(autouse=True)
+def _eager_flex(monkeypatch):
+    """FlexAttention uncompiled (the same math, no minutes of compiling); the tests of the
+    compiled kernel switch it back on."""
+    import gptmini.attention
+
+    monkeypatch.setattr(gptmini.attention, "COMPILE_FLEX", False)
+    gptmini.attention._flex_attention.cache_clear()
+
+
+@pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     def no_download(*args, **kwargs):
         raise ConnectionError("tests never download (tiktoken tried to fetch a vocabulary)")

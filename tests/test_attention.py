@@ -28,26 +28,29 @@ BATCH = torch.stack((INPUTS, INPUTS), dim=0)
 
 def make_mha(*args, seed=0, **kwargs) -> MultiHeadAttention:
     torch.manual_seed(seed)
-    return MultiHeadAttention(*args, **kwargs).eval()
+    mha = MultiHeadAttention(*args, **kwargs).eval()
+    # FlexAttention runs forward only on CPU: no autograd through it here.
+    return mha.requires_grad_(False) if kwargs.get("backend") == "flex" else mha
 
 
 def both_paths(mha: MultiHeadAttention, x, attention_mask=None):
-    mha.use_sdpa = True
+    mha.backend = "sdpa"
     fast = mha(x, attention_mask)
-    mha.use_sdpa = False
+    mha.backend = "explicit"
     explicit = mha(x, attention_mask)
-    mha.use_sdpa = True
+    mha.backend = "sdpa"
     return fast, explicit
 
 
 # --- the book's printed numbers ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_sdpa", [True, False])
-def test_multihead_attention_prints_the_books_numbers(use_sdpa):
+@pytest.mark.parametrize("backend", ["sdpa", "explicit", "flex", "tiled"])
+def test_multihead_attention_prints_the_books_numbers(backend):
     """Listing 3.5 under torch.manual_seed(123) prints these context vectors."""
     torch.manual_seed(123)
-    mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, use_sdpa=use_sdpa)
+    mha = MultiHeadAttention(3, 2, 6, 0.0, num_heads=2, backend=backend)
+    mha.requires_grad_(backend != "flex")  # FlexAttention: forward only on CPU
     expected = torch.tensor(
         [
             [0.3190, 0.4858],
@@ -161,8 +164,8 @@ def test_dropout_does_nothing_in_eval_mode_and_something_in_training():
     x = torch.randn(2, 10, 8)
     with_dropout = make_mha(8, 8, 16, 0.5, 2, seed=1)
     without = make_mha(8, 8, 16, 0.0, 2, seed=1)
-    for use_sdpa in (True, False):
-        with_dropout.use_sdpa = without.use_sdpa = use_sdpa
+    for backend in ("sdpa", "explicit"):
+        with_dropout.backend = without.backend = backend
         torch.testing.assert_close(with_dropout(x), without(x))
         with_dropout.train()
         assert not torch.allclose(with_dropout(x), without(x))
@@ -192,10 +195,10 @@ class NotInPlaceCausalAttention(CausalAttention):
         return self.dropout(attn_weights) @ values
 
 
-@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("backend", ["sdpa", "explicit", "flex", "tiled"])
 @pytest.mark.parametrize("i", [0, 3, 8])
-def test_outputs_never_depend_on_future_tokens(use_sdpa, i):
-    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa)
+def test_outputs_never_depend_on_future_tokens(backend, i):
+    mha = make_mha(8, 8, 16, 0.0, 2, backend=backend)
     assert_future_invariant(mha, torch.randn(2, 10, 8), i)
 
 
@@ -210,10 +213,10 @@ def test_future_invariance_check_catches_the_exercise_bug():
 # --- padding -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("backend", ["sdpa", "explicit", "flex", "tiled"])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_equals_each_sequence_alone(use_sdpa, side):
-    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa)
+def test_padded_batch_equals_each_sequence_alone(backend, side):
+    mha = make_mha(8, 8, 16, 0.0, 2, backend=backend)
     lengths = [7, 3, 5]
     seqs = [torch.randn(1, n, 8) for n in lengths]
     width = max(lengths)
@@ -232,14 +235,14 @@ def test_padded_batch_equals_each_sequence_alone(use_sdpa, side):
 
 
 def test_fully_masked_rows_are_zero_weights_and_finite_gradients():
-    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=False)
+    mha = make_mha(8, 8, 16, 0.0, 2, backend="explicit")
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     x = torch.randn(2, 4, 8, requires_grad=True)
     out, weights = mha(x, mask, return_weights=True)
     assert (weights[0, :, :2] == 0).all()
     assert (out[0, :2] == 0).all()
-    for use_sdpa in (True, False):
-        mha.use_sdpa = use_sdpa
+    for backend in ("sdpa", "explicit", "tiled"):  # flex: no backward on CPU
+        mha.backend = backend
         mha.train()
         x.grad = None
         mha(x, mask).sum().backward()
@@ -320,9 +323,9 @@ def test_multi_query_attention_runs_and_is_causal():
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"num_kv_heads": 1}, {"window_size": 3}])
-@pytest.mark.parametrize("use_sdpa", [True, False])
-def test_cached_incremental_attention_equals_full_attention(kwargs, use_sdpa):
-    mha = make_mha(8, 8, 16, 0.0, 2, use_sdpa=use_sdpa, **kwargs)
+@pytest.mark.parametrize("backend", ["sdpa", "explicit", "flex", "tiled"])
+def test_cached_incremental_attention_equals_full_attention(kwargs, backend):
+    mha = make_mha(8, 8, 16, 0.0, 2, backend=backend, **kwargs)
     x = torch.randn(2, 10, 8)
     cache = KVCache()
     pieces = [mha(x[:, :4], kv_cache=cache)]  # prefill

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import column, read_metrics, tiny_args
+from helpers import column, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 import gptmini
@@ -104,12 +104,14 @@ from gptmini.training import build_cli, fit
 
 class Record(Callback):
     def __init__(self):
-        self.windows = []
+        self.windows, self.documents = [], 0
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.windows += [row[:8].tolist() for row in batch[0]]
+        self.documents = max(self.documents, int(batch[2].max()) + 1)  # per window
     def on_train_end(self, trainer, pl_module):
         with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
-            json.dump({"windows": self.windows, "step": trainer.global_step}, f)
+            json.dump({"windows": self.windows, "step": trainer.global_step,
+                       "documents": self.documents}, f)
 
 out = sys.argv[1]
 cli = build_cli(sys.argv[2:])
@@ -119,13 +121,16 @@ fit(cli)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
-    corpus = tmp_path / "numbers.txt"  # no two windows alike, unlike the repetitive corpus
-    corpus.write_text(" ".join(str(i) for i in range(2000)))
+def test_two_process_ddp_trains_each_rank_on_different_windows_with_document_masks(tmp_path):
+    corpus = tmp_path / "numbers"  # 50 documents; no two windows alike
+    corpus.mkdir()
+    for d in range(50):
+        (corpus / f"{d:02d}.txt").write_text(" ".join(str(i) for i in range(d * 40, d * 40 + 40)))
     script = tmp_path / "ddp_run.py"
     script.write_text(textwrap.dedent(DDP_SCRIPT))
     args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.devices", "2",
-                     "--trainer.strategy", "ddp", "--data.stride", "4")
+                     "--trainer.strategy", "ddp", "--data.stride", "4",
+                     "--data.document_mask", "true", "--data.val_fraction", "0.1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path,
                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -136,6 +141,7 @@ def test_two_process_ddp_trains_each_rank_on_different_windows(tmp_path):
     seen = [{tuple(w) for w in r["windows"]} for r in ranks]
     assert len(ranks[0]["windows"]) == len(ranks[1]["windows"]) == 6 * 4
     assert not seen[0] & seen[1], "both ranks trained on the same windows"
+    assert all(r["documents"] >= 2 for r in ranks)  # windows that hold several documents
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -409,3 +415,19 @@ def test_auto_precision_is_said_and_a_resume_keeps_the_checkpoints(tmp_path, cor
     assert str(cli.trainer.precision) == "bf16-mixed"
     fit(cli)
     assert str(build_cli([*auto, "--run_name", "other"]).trainer.precision) == "32-true"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
+def test_training_with_document_masks_lowers_the_loss(tmp_path, backend):
+    corpus = tmp_path / "scenes"
+    corpus.mkdir()
+    for d in range(30):
+        (corpus / f"{d:02d}.txt").write_text(write_corpus(tmp_path / "one.txt", 1).read_text())
+    args = tiny_args(tmp_path, corpus, "--data.document_mask", "true",
+                     "--model.attention_backend", backend, "--model.attn_drop_rate", "0",
+                     "--trainer.max_steps", "40")
+    assert main(args) == 0
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    train, val = column(rows, "train/loss"), column(rows, "val/loss")
+    assert train[-1] < train[0] - 3.0 and val[-1] < val[0] - 1.0

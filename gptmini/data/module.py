@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from gptmini.data.corpus import CorpusSpec, resolve_source
 from gptmini.data.tokens import TokenCache, tokenize_corpus
 from gptmini.data.windows import ResumableSampler, SlidingWindowDataset, _check_positive
+from gptmini.tokenizer import get_tokenizer
 
 
 class GPTDataModule(L.LightningDataModule):
@@ -61,6 +62,9 @@ class GPTDataModule(L.LightningDataModule):
         skip_missing_text: train on the json/parquet records that have `text_field` when
             some lack it, saying how many were left out; by default such a corpus is refused,
             naming the count and the first one.
+        document_mask: give every window the document ids of its tokens (<|endoftext|>
+            opens the next document, as a BOS token), so that no token attends across a
+            document's edge and positions restart at each document.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class GPTDataModule(L.LightningDataModule):
         hub_val_split: str | None = None,
         hub_revision: str | None = None,
         skip_missing_text: bool = False,
+        document_mask: bool = False,
     ):
         super().__init__()
         _check_positive(
@@ -103,6 +108,7 @@ class GPTDataModule(L.LightningDataModule):
         self.val_fraction, self.text_field = val_fraction, text_field
         self.hub_config, self.hub_split, self.hub_val_split = hub_config, hub_split, hub_val_split
         self.hub_revision, self.skip_missing_text = hub_revision, skip_missing_text
+        self.document_mask = document_mask
         self.streaming, self.tokenizer = streaming, tokenizer
         self.max_length = max_length
         self.stride = stride or max_length
@@ -179,9 +185,11 @@ class GPTDataModule(L.LightningDataModule):
                     f"{what} corpus {name} has {len(tokens)} tokens; max_length="
                     f"{self.max_length} needs at least {need} for one window: {fix}"
                 )
-        self.train_dataset = SlidingWindowDataset(train, self.max_length, self.stride)
+        starts = get_tokenizer(self.tokenizer).eot_token if self.document_mask else None
+        self.train_dataset = SlidingWindowDataset(train, self.max_length, self.stride, starts)
         self.val_dataset = (
-            SlidingWindowDataset(val, self.max_length, self.val_stride) if len(val) else None
+            SlidingWindowDataset(val, self.max_length, self.val_stride, starts)
+            if len(val) else None
         )
 
     # -- loaders

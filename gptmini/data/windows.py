@@ -27,13 +27,17 @@ class SlidingWindowDataset(Dataset):
         max_length: tokens per window (the model's context length).
         stride: tokens between the starts of consecutive windows; max_length for no
             overlap, 1 for every position.
+        document_token: the token that starts each document (<|endoftext|>, which sits
+            between documents): with it, each window also gives the document id of every
+            input token, for document masks (None: windows are (input, target) only).
 
     Raises:
         ValueError: `max_length` or `stride` below 1.
     """
 
     def __init__(
-        self, tokens: np.ndarray | torch.Tensor | Sequence[int], max_length: int, stride: int
+        self, tokens: np.ndarray | torch.Tensor | Sequence[int], max_length: int, stride: int,
+        document_token: int | None = None,
     ):
         _check_positive(max_length=max_length, stride=stride)
         if isinstance(tokens, torch.Tensor):
@@ -45,13 +49,15 @@ class SlidingWindowDataset(Dataset):
         self.tokens = tokens
         self.max_length = max_length
         self.stride = stride
+        self.document_token = document_token
         self._len = len(range(0, max(len(tokens) - max_length, 0), stride))
 
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window `index` as (input, target), each int64 of shape (max_length,)."""
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Window `index` as (input, target), each int64 of shape (max_length,), and with a
+        document_token the inputs' document ids (0 for the first document in the window)."""
         if index < 0:
             index += self._len
         if not 0 <= index < self._len:
@@ -59,7 +65,10 @@ class SlidingWindowDataset(Dataset):
         start = index * self.stride
         # One copy of max_length + 1 tokens; input and target are views into it.
         window = torch.from_numpy(self.tokens[start : start + self.max_length + 1].astype(np.int64))
-        return window[:-1], window[1:]
+        if self.document_token is None:
+            return window[:-1], window[1:]
+        inputs = window[:-1]
+        return inputs, window[1:], (inputs == self.document_token).cumsum(0)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -1,0 +1,186 @@
+"""Attention masks, written once: small functions of (b, h, q_idx, kv_idx) -> bool.
+
+One convention everywhere: True means "may attend" (torchtitan's `q_idx >= kv_idx`), and
+a mask is a function of the batch row, the head, the query's position and the key's
+position, FlexAttention's `mask_mod` signature. The arguments are integer tensors that
+broadcast against each other, or scalars inside FlexAttention. Masks combine with
+`and_masks` and `or_masks`, and one definition serves every attention kernel:
+
+    dense        a (b, 1, num_tokens, num_keys) boolean tensor: the explicit path and SDPA
+    block_mask   a FlexAttention BlockMask (which 128 x 128 blocks to compute, which to skip)
+    tile_plan    which tiles the tiled kernel (flash.py) skips, computes whole, or masks
+
+Positions are absolute: the queries are the last `num_tokens` of `num_keys` positions (as
+with a KV cache), so query i sits at position num_keys - num_tokens + i. The masks:
+
+    causal            a query sees itself and earlier keys (a decoder; the book's mask)
+    full              every key (seed 002's encoder attends both ways)
+    sliding_window    keys fewer than `window` positions away (with causal: the last window)
+    padding           only the real keys of its row (per-row padding, left or right)
+    document          only keys of its own document (documents packed in one window)
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+__all__ = [
+    "MaskMod",
+    "and_masks",
+    "block_mask",
+    "causal",
+    "dense",
+    "document",
+    "full",
+    "or_masks",
+    "padding",
+    "rows_with_keys",
+    "sliding_window",
+    "tile_plan",
+]
+
+
+def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+def full(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return (q_idx >= 0) & (kv_idx >= 0)  # always True, in the broadcast shape
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Keys fewer than `window` positions from the query, on either side (and causal: the
+    query and the window - 1 keys before it)."""
+
+    def near(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx - kv_idx).abs() < window
+
+    return near
+
+
+def padding(key_is_real: Tensor) -> MaskMod:
+    """Only real keys: `key_is_real` is (b, num_keys), True (or 1) at real tokens."""
+    real = key_is_real.bool()
+
+    def real_key(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return real[b, kv_idx]
+
+    return real_key
+
+
+def document(document_ids: Tensor) -> MaskMod:
+    """Only keys of the query's own document: `document_ids` is (b, num_keys)."""
+
+    def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return document_ids[b, q_idx] == document_ids[b, kv_idx]
+
+    return same_document
+
+
+def and_masks(*masks: MaskMod) -> MaskMod:
+    """Allowed where every mask allows."""
+
+    def both(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allowed = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            allowed = allowed & mask(b, h, q_idx, kv_idx)
+        return allowed
+
+    return both
+
+
+def or_masks(*masks: MaskMod) -> MaskMod:
+    """Allowed where any mask allows."""
+
+    def either(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allowed = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            allowed = allowed | mask(b, h, q_idx, kv_idx)
+        return allowed
+
+    return either
+
+
+# --------------------------------------------------------------------------- its forms
+
+
+def dense(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None) -> Tensor:
+    """The mask as a tensor, (batch, 1, num_tokens, num_keys) (heads broadcast)."""
+    b = torch.arange(batch, device=device)[:, None, None, None]  # (batch, 1, 1, 1)
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]  # (1, 1, 1, 1)
+    q = torch.arange(num_keys - num_tokens, num_keys, device=device)[None, None, :, None]
+    kv = torch.arange(num_keys, device=device)[None, None, None, :]  # (1, 1, 1, num_keys)
+    return mask(b, h, q, kv).expand(batch, 1, num_tokens, num_keys)
+
+
+def block_mask(mask: MaskMod, batch: int | None, num_tokens: int, num_keys: int, device=None,
+               block_size: int = 128):
+    """The mask as a FlexAttention BlockMask (batch None: the same for every row).
+
+    FlexAttention counts queries from 0; the mask counts absolute positions, so queries are
+    shifted by num_keys - num_tokens.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = num_keys - num_tokens
+    shifted = mask if offset == 0 else _shift_queries(mask, offset)
+    return create_block_mask(shifted, batch, None, num_tokens, num_keys, device=device,
+                             BLOCK_SIZE=block_size)
+
+
+def _shift_queries(mask: MaskMod, offset: int) -> MaskMod:
+    def shifted(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mask(b, h, q_idx + offset, kv_idx)
+
+    return shifted
+
+
+def tile_plan(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, tile: int,
+              device=None) -> tuple[Tensor, Tensor]:
+    """For each (query tile, key tile): may any query attend any key in it, and may all?
+
+    Evaluates the mask one row of tiles at a time, so memory stays (batch, tile, num_keys).
+
+    Returns:
+        (some, every), each (num_tokens / tile, num_keys / tile) booleans (tiles rounded up),
+        over the whole batch: a tile is skipped only if no row of the batch needs it, and
+        computed without the mask only if every row may attend all of it.
+    """
+    first = num_keys - num_tokens
+    q_tiles, k_tiles = -(-num_tokens // tile), -(-num_keys // tile)
+    some = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
+    every = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    kv = torch.arange(num_keys, device=device)[None, None, None, :]
+    pad = k_tiles * tile - num_keys  # the last tile may be short: pad it with its own values
+    for i in range(q_tiles):
+        q = torch.arange(first + i * tile, first + min((i + 1) * tile, num_tokens),
+                         device=device)[None, None, :, None]
+        allowed = mask(b, h, q, kv).expand(batch, 1, q.shape[2], num_keys)
+        if pad:  # repeat the last key's column: it changes neither "any" nor "all"
+            allowed = torch.cat([allowed, allowed[..., -1:].expand(*allowed.shape[:3], pad)], -1)
+        tiles = allowed.reshape(batch, q.shape[2], k_tiles, tile)  # (batch, tile, k_tiles, tile)
+        some[i] = tiles.any(dim=3).any(dim=1).any(dim=0)
+        every[i] = tiles.all(dim=3).all(dim=1).all(dim=0)
+    return some, every
+
+
+def rows_with_keys(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None,
+                   chunk: int = 256) -> Tensor:
+    """(batch, num_tokens): whether each query may attend any key at all (left padding may
+    leave a query none), evaluated `chunk` queries at a time."""
+    first = num_keys - num_tokens
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    kv = torch.arange(num_keys, device=device)[None, None, None, :]
+    found = []
+    for start in range(0, num_tokens, chunk):
+        q = torch.arange(first + start, first + min(start + chunk, num_tokens),
+                         device=device)[None, None, :, None]
+        allowed = mask(b, h, q, kv).expand(batch, 1, q.shape[2], num_keys)
+        found.append(allowed.any(dim=-1)[:, 0])  # (batch, chunk)
+    return torch.cat(found, dim=1)
