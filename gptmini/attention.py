@@ -169,7 +169,7 @@ class MultiHeadAttention(nn.Module):
         self.window_size = window_size
         self.causal = causal
         self.backend = backend
-        self.tile = 128
+        self.tile = 256
         """Queries and keys per tile of the tiled backend."""
 
         kv_dim = num_kv_heads * self.head_dim
