@@ -326,9 +326,9 @@ class MultiHeadAttention(nn.Module):
         attn_scores = queries @ keys.transpose(2, 3)  # (b, num_heads, num_tokens, num_keys)
         if allowed is not None:
             attn_scores.masked_fill_(~allowed, -torch.inf)
-        # In float32 whatever the inputs (bf16 rounding in a softmax costs accuracy).
+        # In float32 or wider (bf16 rounding in a softmax costs accuracy; float64 stays).
         attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1,
-                                     dtype=torch.float32)
+                                     dtype=torch.promote_types(attn_scores.dtype, torch.float32))
         if empty_rows is not None:
             attn_weights = attn_weights.masked_fill(empty_rows, 0.0)
         attn_weights = self.dropout(attn_weights)
@@ -350,16 +350,23 @@ class MultiHeadAttention(nn.Module):
         else:  # data-dependent: rebuilt per batch, once for all layers of a forward pass
             block = _data_block_mask(mask, attention_mask, document_ids, b, num_tokens,
                                      num_keys)
-        return _flex_attention()(queries, keys, values, block_mask=block,
-                                 enable_gqa=self.num_kv_heads != self.num_heads)
+        return _flex_attention(queries)(queries, keys, values, block_mask=block,
+                                        enable_gqa=self.num_kv_heads != self.num_heads)
+
+
+def _flex_attention(queries: Tensor):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if (not COMPILE_FLEX or torch.compiler.is_compiling()  # the outer compile covers it
+            or (queries.device.type == "cpu" and queries.dtype == torch.float64)):
+        return flex_attention  # (inductor's CPU kernel has no float64: the same math, eager)
+    return _compiled_flex()
 
 
 @functools.cache
-def _flex_attention():
+def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not COMPILE_FLEX or torch.compiler.is_compiling():
-        return flex_attention  # inside a compiled model the outer compile covers it
     return torch.compile(flex_attention, dynamic=False)
 
 

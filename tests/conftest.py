@@ -39,7 +39,7 @@ def _eager_flex(monkeypatch):
     import gptmini.attention
 
     monkeypatch.setattr(gptmini.attention, "COMPILE_FLEX", False)
-    gptmini.attention._flex_attention.cache_clear()
+    gptmini.attention._compiled_flex.cache_clear()
 
 
 @pytest.fixture(autouse=True)

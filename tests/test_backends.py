@@ -178,7 +178,7 @@ def test_compiled_flex_equals_explicit_and_new_documents_do_not_recompile(monkey
     and paddings reuses the compiled kernel."""
     torch._dynamo.reset()
     monkeypatch.setattr(attention, "COMPILE_FLEX", True)
-    attention._flex_attention.cache_clear()
+    attention._compiled_flex.cache_clear()
     compiles = []
     for mask in COMPILED_SHAPES:
         options, pad, doc = MASKS[mask]
