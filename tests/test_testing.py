@@ -1,0 +1,350 @@
+"""The conformance kit: it passes correct attention and names the property each bug breaks.
+
+The buggy modules are Listing 3.5 as a reader types it, with one mistake each (`bug`),
+and a window and a padding mask as a reader would add them.
+"""
+
+import functools
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptmini.attention import MultiHeadAttention
+from gptmini.reference import CausalAttention, MultiHeadAttentionWrapper
+from gptmini.testing import AttentionSpec, assert_attention, check_attention
+from gptmini.testing.checks import CHECKS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ReaderMHA(nn.Module):
+    """Listing 3.5 as a reader types it, plus a window and a padding mask; `bug` picks one
+    mistake (None: none)."""
+
+    bug = None
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False,
+                 window_size=None, causal=True):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        ones = torch.ones(context_length, context_length)
+        mask = torch.triu(ones, diagonal=0 if self.bug == "triu diagonal=0" else 1)
+        if not causal:
+            mask = torch.zeros_like(ones)
+        if window_size is not None:  # hide keys window_size or more positions away
+            reach = {"window too large": 1, "window too small": -1}.get(self.bug, 0)
+            mask = mask + torch.tril(ones, diagonal=-window_size - reach)
+            if not causal and self.bug != "window forgets later keys":
+                mask = mask + torch.triu(ones, diagonal=window_size + reach)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x, attention_mask=None):
+        b, num_tokens, d_in = x.shape
+        split = (b, num_tokens, self.num_heads, self.head_dim)
+        keys = self.W_key(x).view(split).transpose(1, 2)  # (b, num_heads, num_tokens, head_dim)
+        if self.bug == "keys detached":
+            keys = keys.detach()
+        queries = self.W_query(x).view(split).transpose(1, 2)
+        values = self.W_value(x).view(split).transpose(1, 2)
+        attn_scores = queries @ keys.transpose(2, 3)  # (b, num_heads, num_tokens, num_tokens)
+        hidden = self.mask.bool()[:num_tokens, :num_tokens]
+        if self.bug == "mask only up to 4 tokens" and num_tokens > 4:
+            hidden = torch.zeros_like(hidden)
+        if self.bug == "head 1 unmasked":
+            hidden = hidden.repeat(self.num_heads, 1, 1)  # (num_heads, num_tokens, num_tokens)
+            hidden[1] = False
+        if attention_mask is not None:
+            pad = ~attention_mask.bool()
+            if self.bug == "first row's mask for every row":
+                pad = pad[:1]
+            on = pad[:, None, :, None] if self.bug == "padding on queries" else pad[:, None, None]
+            hidden = hidden | on
+        empty = None
+        if attention_mask is not None and self.bug != "additive mask, nan_to_num":
+            empty = hidden.all(dim=-1, keepdim=True)  # queries with no key (left padding)
+            hidden = hidden & ~empty  # let them see every key, then zero their weights
+        if self.bug == "masked_fill":  # seed 001's exercise: returns a new tensor, unused
+            attn_scores.masked_fill(hidden, -torch.inf)
+        elif self.bug == "additive mask, nan_to_num":  # the -inf's gradient path stays open
+            attn_scores = attn_scores + torch.zeros_like(attn_scores).masked_fill(hidden,
+                                                                                  -torch.inf)
+        else:
+            attn_scores.masked_fill_(hidden, -torch.inf)
+        scale = self.d_out if self.bug == "scale by d_out" else keys.shape[-1] ** 0.5
+        scaled = attn_scores / scale
+        if self.bug == "exp without the max":
+            attn_weights = scaled.exp() / scaled.exp().sum(dim=-1, keepdim=True)
+        else:
+            dim = {"softmax dim=-2": -2, "softmax dim=1": 1, "softmax dim=0": 0}.get(self.bug, -1)
+            attn_weights = torch.softmax(scaled, dim=dim)
+        if self.bug == "additive mask, nan_to_num":
+            attn_weights = attn_weights.nan_to_num(0.0)
+        elif empty is not None:
+            attn_weights = attn_weights.masked_fill(empty, 0.0)
+        if self.bug == "dropout always on":
+            attn_weights = F.dropout(attn_weights, self.dropout.p, training=True)
+        elif self.bug != "dropout never on":
+            attn_weights = self.dropout(attn_weights)
+        context_vec = attn_weights @ values  # (b, num_heads, num_tokens, head_dim)
+        if self.bug != "view without transpose":
+            context_vec = context_vec.transpose(1, 2)  # (b, num_tokens, num_heads, head_dim)
+        return self.out_proj(context_vec.contiguous().view(b, num_tokens, self.d_out))
+
+
+def reader(bug=None):
+    return type(f"ReaderMHA[{bug}]", (ReaderMHA,), {"bug": bug})
+
+
+READER_SPEC = AttentionSpec(padding="attention_mask")
+WINDOW_SPEC = AttentionSpec(window=3)
+BOTH_WAYS_WINDOW = AttentionSpec(causal=False, window=2)
+
+
+def both_ways(bug=None):
+    return functools.partial(reader(bug), causal=False)
+
+
+# --- clean modules pass ------------------------------------------------------------------
+
+
+def not_applicable(report) -> set[str]:
+    return {r.name for r in report.results if r.status == "not applicable"}
+
+
+def test_the_books_variants_pass_where_they_apply():
+    report = assert_attention(reader(), READER_SPEC)
+    assert not_applicable(report) == {"window", "kv_cache"}
+    assert report["book_numbers"].status == "passed"
+    for target, spec in ((reader(), WINDOW_SPEC), (both_ways(), BOTH_WAYS_WINDOW)):
+        assert assert_attention(target, spec)["window"].status == "passed"
+    # Listing 3.3 (one head) and 3.4 (heads side by side): no out_proj, nothing to compare with
+    for factory in (
+        lambda d_in, context_length, dropout: CausalAttention(d_in, d_in, context_length,
+                                                              dropout),
+        lambda d_in, context_length, dropout: MultiHeadAttentionWrapper(
+            d_in, d_in // 2, context_length, dropout, num_heads=2),
+    ):
+        report = assert_attention(factory)
+        assert {"equals_gptmini", "book_numbers"} <= not_applicable(report)
+        assert report["equals_gptmini"].loud and report["book_numbers"].loud
+        assert "WARNING: equals_gptmini not tested" in str(report)
+
+
+# --- each bug is caught by the property named --------------------------------------------
+
+
+BUGS = {
+    # (a) seed 001's exercise solution: masked_fill without the underscore
+    "masked_fill": (READER_SPEC, ["causality"],
+                    "length 2: changing token 1 moves the output at position 0"),
+    # (b) a mask that hides the token itself
+    "triu diagonal=0": (READER_SPEC, ["sees_itself"], "a single token gives [nan"),
+    # (c) the wrong scale: only a reference with the same weights sees it
+    "scale by d_out": (READER_SPEC, ["equals_gptmini", "book_numbers"], "batch 1, length 2"),
+    # (d) softmax over the wrong dimension
+    "softmax dim=-2": (READER_SPEC, ["identical_tokens", "causality", "equals_gptmini"],
+                       "one token repeated 2 times"),
+    "softmax dim=1": (READER_SPEC, ["identical_tokens", "equals_gptmini"],
+                      "one token repeated 2 times"),
+    "softmax dim=0": (READER_SPEC, ["batch_rows_independent"], "batch of 2, length 1: row 0"),
+    # (e) a window off by one in each direction
+    "window too large": (WINDOW_SPEC, ["window"],
+                         "length 4: key 0 is 3 position(s) from query 3, outside the window"),
+    "window too small": (WINDOW_SPEC, ["window"],
+                         "length 3: key 0 is 2 position(s) from query 2, inside the window"),
+    "window forgets later keys": (BOTH_WAYS_WINDOW, ["window"],
+                                  "length 3: key 2 is 2 position(s) from query 0, outside"),
+    # (f) heads merged with view, no transpose first
+    "view without transpose": (READER_SPEC, ["causality", "equals_gptmini"],
+                               "length 2: changing token 1 moves the output at position 0"),
+    # (g) a padding mask on the queries instead of the keys
+    "padding on queries": (READER_SPEC, ["padding"],
+                           "left padding, 1 real + 1 pad token(s): real token 0 differs"),
+    "first row's mask for every row": (READER_SPEC, ["padding"],
+                                       "left padding, 1 real + 1 pad token(s): the unpadded"),
+    # and the other properties' bugs
+    "additive mask, nan_to_num": (READER_SPEC, ["fully_padded_queries"],
+                                  "outputs finite, but the input's gradient is not"),
+    "mask only up to 4 tokens": (READER_SPEC, ["causality"],
+                                 "length 5: changing token 1 moves the output at position 0"),
+    "exp without the max": (READER_SPEC, ["large_inputs_finite"], "inputs scaled by 1e3"),
+    "keys detached": (READER_SPEC, ["gradients_reach_all_parameters"],
+                      "no gradient reaches W_key.weight"),
+    "dropout always on": (READER_SPEC, ["eval_deterministic"], "two calls in eval mode differ"),
+    "dropout never on": (READER_SPEC, ["dropout_in_training"],
+                         "built with dropout 0.5, training mode gives the eval output"),
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_bug_fails_the_property_it_breaks_with_the_smallest_input(bug):
+    spec, properties, counterexample = BUGS[bug]
+    target = reader(bug) if spec.causal else both_ways(bug)
+    report = check_attention(target, spec)
+    failed = {r.name for r in report.failed}
+    assert set(properties) <= failed, report
+    assert report[properties[0]].detail.startswith(counterexample), report
+    assert report["output_shape"].status == "passed"  # the search reached the bug's property
+    with pytest.raises(AssertionError, match=f"FAIL {properties[0]}"):
+        assert_attention(target, spec)
+
+
+def test_a_causality_leak_names_the_head_it_leaks_in():
+    report = check_attention(reader("head 1 unmasked"))
+    assert report["causality"].detail.startswith(
+        "length 2: changing token 1 moves the output at position 0, in head 1 by")
+
+
+def test_a_wrong_kv_cache_is_caught():
+    def forgets_the_past(module, x, state):  # attends over the new tokens only
+        return module(x), state
+
+    report = check_attention(MultiHeadAttention, AttentionSpec(kv_step=forgets_the_past))
+    assert report["kv_cache"].status == "failed"
+    assert report["kv_cache"].detail.startswith("length 2, prefill 1 then one token at a time: "
+                                                "position 1 differs")
+
+
+def test_bidirectional_declared_but_causal_fails():
+    report = check_attention(MultiHeadAttention, AttentionSpec(causal=False))
+    assert report["causality"].status == "failed"
+    assert "it is causal" in report["causality"].detail
+
+
+def test_report_says_what_it_tested_and_what_it_could_not():
+    report = check_attention(MultiHeadAttention)
+    assert report.tested.startswith("the book's constructor, d_in=8, d_out=8, num_heads=2")
+    assert "declared: no padding mask, window or KV cache" in report.tested
+    assert not_applicable(report) == {"padding", "fully_padded_queries", "window", "kv_cache"}
+    assert "declare AttentionSpec(window=" in report["window"].detail  # it takes window_size
+    assert [r.name for r in report.results] == [name for name, _ in CHECKS]
+    text = str(report)
+    assert text.splitlines()[0] == "attention conformance: MultiHeadAttention"
+    assert "11 passed, 0 failed, 4 not applicable" in text
+
+
+def test_a_factory_without_the_books_names_is_told_the_scale_goes_unchecked():
+    def factory(d_in, context_length, dropout):
+        return nn.MultiheadAttention(d_in, 2, dropout=dropout, batch_first=True)
+
+    class Wrapped(nn.Module):
+        def __init__(self, d_in, context_length, dropout):
+            super().__init__()
+            self.attn = factory(d_in, context_length, dropout)
+            self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length,
+                                                               dtype=torch.bool), 1))
+
+        def forward(self, x):
+            n = x.shape[1]
+            return self.attn(x, x, x, attn_mask=self.mask[:n, :n], need_weights=False)[0]
+
+    report = assert_attention(Wrapped, AttentionSpec(num_heads=2))
+    assert report["equals_gptmini"].loud and report["book_numbers"].loud
+    assert "a wrong scale or head split would go unseen" in report["equals_gptmini"].detail
+
+
+def test_errors_are_one_line_and_name_the_target():
+    with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
+        check_attention("no_such_module:Attention")
+    with pytest.raises(ValueError, match="is not 'package.module:Name'"):
+        check_attention("gptmini.attention.MultiHeadAttention")
+    with pytest.raises(ValueError, match="gptmini.attention has no 'Nope'"):
+        check_attention("gptmini.attention:Nope")
+    with pytest.raises(ValueError, match=r"cannot build and run .*: ValueError: backend must"):
+        check_attention(functools.partial(MultiHeadAttention, backend="fast"))
+
+
+# --- the command line and the pytest plugin ----------------------------------------------
+
+MODULES = """
+import torch
+from gptmini.attention import MultiHeadAttention
+
+
+class Leaky(MultiHeadAttention):
+    def forward(self, x):
+        return super().forward(x.flip(1)).flip(1)  # sees everything, backwards
+"""
+
+
+def run(args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.slow
+def test_command_line_prints_the_table_and_exits_non_zero_on_a_failure(tmp_path):
+    (tmp_path / "mine.py").write_text(MODULES)
+    good = run(["-m", "gptmini.testing", "gptmini.attention:MultiHeadAttention"], tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert "ok   causality" in good.stdout
+    bad = run(["-m", "gptmini.testing", "mine:Leaky"], tmp_path)
+    assert bad.returncode == 1
+    assert "FAIL causality" in bad.stdout
+    missing = run(["-m", "gptmini.testing", "mine:Nope"], tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "gptmini.testing: error: mine has no 'Nope'"
+
+
+@pytest.mark.slow
+def test_pytest_plugin_runs_each_check_as_a_named_test(tmp_path):
+    (tmp_path / "mine.py").write_text(MODULES)
+    result = run(["-m", "pytest", "-p", "gptmini.testing.pytest_plugin", "-p", "no:cacheprovider",
+                  "--attention", "mine:Leaky", "-rA", "-q", "-m", "attention"], tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"FAILED .*mine:Leaky::causality", result.stdout), result.stdout
+    assert re.search(r"PASSED .*mine:Leaky::output_shape", result.stdout), result.stdout
+    assert re.search(r"SKIPPED \[1\] .*: no window declared", result.stdout), result.stdout
+    assert "3 failed, 8 passed, 4 skipped" in result.stdout, result.stdout
+
+
+# --- the README shows a real report ------------------------------------------------------
+
+
+def readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Test your own attention")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_readme_listing_prints_the_report_the_readme_shows():
+    blocks = re.findall(r"```(\w*)\n(.*?)```", readme_section(), flags=re.S)
+    code = [body for lang, body in blocks if lang == "python"]
+    shown = [body for lang, body in blocks if lang == "text"]
+    namespace = {"__name__": "readme"}
+    exec(compile(code[0], "README.md", "exec"), namespace)  # the listing a reader typed
+    printed = []
+    namespace["print"] = lambda *args: printed.append(" ".join(map(str, args)))
+    exec(compile(code[1], "README.md", "exec"), namespace)  # the one call
+    assert printed and printed[0].strip() == shown[0].strip()
+    # the typo the README shows next: masked_fill without its underscore
+    typo = code[0].replace("attn_scores.masked_fill_(", "attn_scores.masked_fill(")
+    assert typo != code[0]
+    exec(compile(typo, "README.md", "exec"), namespace)
+    printed.clear()
+    exec(compile(code[1], "README.md", "exec"), namespace)
+    fail_lines = [line for line in printed[0].splitlines() if line.startswith("FAIL")]
+    assert "\n".join(fail_lines) == textwrap.dedent(shown[1]).strip()
+    exec(compile(code[2], "README.md", "exec"), {})  # the spec for gptmini's module passes
+
+
+def test_the_kit_and_the_model_import_only_torch():
+    """Model, attention, masks, flash and the kit load in any loop: no Lightning, no pytest."""
+    code = ("import sys, gptmini.model, gptmini.testing, gptmini.flash; "
+            "print(sorted({m.split('.')[0] for m in sys.modules}))")
+    loaded = run(["-c", code], ROOT).stdout
+    for heavy in ("lightning", "pytest", "datasets", "wandb", "jsonargparse", "tiktoken"):
+        assert f"'{heavy}'" not in loaded
+    assert "'torch'" in loaded
