@@ -13,10 +13,11 @@ computing every tile (masked) instead of skipping those the mask hides.
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+
+from machine import cpu_name  # bench/machine.py (the script's own folder)
 
 CASE = r"""
 import json, resource, sys, time, torch
@@ -62,17 +63,6 @@ print(json.dumps({"seconds": min(times), "peak_mb": peak / 1024}))
 """
 
 BACKENDS = ["explicit", "sdpa", "flex", "tiled", "tiled-noskip"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(backend: str, mask: str, n: int, device: str) -> dict | None:

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_name  # bench/machine.py (the script's own folder)
+
 MAX_LENGTH = 256
 
 
@@ -42,15 +44,7 @@ def reset_peak() -> int:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
+    cpu = cpu_name()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import datasets
     import numpy

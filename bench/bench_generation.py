@@ -11,10 +11,10 @@ the most tokens/s any implementation can reach (a batch of b shares each read).
 
 import argparse
 import os
-import platform
 import time
 
 import torch
+from machine import cpu_name  # bench/machine.py (the script's own folder)
 
 from gptmini.generation import generate
 from gptmini.model import GPTConfig, GPTModel, num_parameters
@@ -24,17 +24,6 @@ CONFIGS = {
     "GPT-2 124M shape": GPTConfig.from_preset("gpt2-124m"),
 }
 BATCHES = (1, 8)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_bandwidth() -> float:

@@ -11,12 +11,12 @@ the KV cache at batch 1 and batch 64, compiled and not.
 """
 
 import argparse
-import platform
 import time
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+from machine import cpu_name  # bench/machine.py (the script's own folder)
 from torch.utils.data import DataLoader, Dataset
 
 from gptmini.generation import generate
@@ -162,7 +162,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         name = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     else:
-        name = platform.processor() or platform.machine()
+        name = cpu_name()
     print(f"device: {name}; torch {torch.__version__}; compiled: {compile}")
     cfg = GPTConfig(**shape)
     flops = flops_per_token(cfg)

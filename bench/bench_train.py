@@ -12,14 +12,14 @@ import argparse
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
+from machine import cpu_description  # bench/machine.py (the script's own folder)
 
 from gptmini.lit_module import lr_factor, measure_matmul_flops
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
-from gptmini.precision import CPU_BF16_FLAGS, cpu_has_bf16
+from gptmini.precision import cpu_has_bf16
 from gptmini.training import build_cli, fit, keep_freed_memory
 
 SHAPE = {"n_layers": 4, "n_heads": 4, "emb_dim": 256}
@@ -84,19 +84,6 @@ def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precisio
         optimizer.step()
         schedule.step()
     return steps * BATCH * context / (time.perf_counter() - start)
-
-
-def cpu_description() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    lines = text.splitlines()
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    simd = [f for f in flags if f in ("avx2", "avx512f", *CPU_BF16_FLAGS, "amx_tile")]
-    return f"{name} ({' '.join(simd) or 'no AVX2'})"
 
 
 def main():
