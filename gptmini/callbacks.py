@@ -213,15 +213,16 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar: loss, lr, tokens/s and val loss under short names, each in a
-    format that shows its digits, and "Epoch N" (never Rich's "Epoch 0/-2").
+    """Lightning's tqdm bar: loss, lr, tokens/s, val loss and bits per byte under short
+    names, each in a format that shows its digits, and "Epoch N" (never Rich's "Epoch 0/-2").
 
     The loss is a tensor on the device, so it is not a prog_bar metric (Lightning would read
     it after every batch); the bar reads it here, when it refreshes: at logging steps.
     """
 
     SHORT = {"train/loss": ("loss", "{:.3f}"), "train/lr": ("lr", "{:.2e}"),
-             "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}")}
+             "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}"),
+             "val/bpb": ("val_bpb", "{:.3f}")}
 
     def __init__(self, refresh_rate: int = 1):
         super().__init__(refresh_rate=refresh_rate)

@@ -6,6 +6,7 @@ gptmini checkpoint is what Lightning saves for the training module (a `torch.sav
     {"state_dict": {"model.<GPTModel key>": tensor, ...},
      "hyper_parameters": {"tokenizer": "gpt2", <GPTConfig fields>, <training settings>},
      "model_config": {<every GPTConfig field>},  # since padded_vocab_size; older ones lack it
+     "tokenizer": {"format": ..., "name": ..., <tokens, unless GPT-2's>},  # older: gpt2
      ...Lightning's own keys (epoch, global_step, optimizer_states, loops, callbacks)...}
 
 It is always read with `torch.load(weights_only=True)`: tensors, numbers, strings and
@@ -13,6 +14,7 @@ containers only, so a checkpoint cannot run code when it is opened. A directory 
 Hugging Face GPT-2 layout (config.json + weights) is read through `convert`.
 """
 
+import json
 import pickle
 import re
 from dataclasses import fields
@@ -24,7 +26,7 @@ import torch
 
 from gptmini.convert import load_hf
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.tokenizer import get_tokenizer
+from gptmini.tokenizer import from_hf_tokenizer, get_tokenizer, tokenizer_from_dict
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -74,7 +76,10 @@ def load_checkpoint(
             "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
         )
     if path.is_dir():
-        tokenizer = get_tokenizer("gpt2")
+        # GPT-2's vocabulary unless the directory has a tokenizer.json (export_hf writes one).
+        hf_tokenizer = path / "tokenizer.json"
+        tokenizer = (from_hf_tokenizer(json.loads(hf_tokenizer.read_text()), path.name)
+                     if hf_tokenizer.is_file() else get_tokenizer("gpt2"))
         model = load_hf(path)
         model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
         hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
@@ -95,7 +100,13 @@ def load_checkpoint(
             f"{path} is not a gptmini checkpoint: no '{MODEL_PREFIX}' weights in its state_dict "
             f"(first keys: {sorted(state)[:5]})"
         )
-    tokenizer = get_tokenizer(str(hparams.get("tokenizer", "gpt2")))
+    try:
+        # Checkpoints hold their vocabulary; older ones only its name, and GPT-2's at first.
+        saved = ckpt.get("tokenizer")
+        tokenizer = (tokenizer_from_dict(saved, f"{path}'s tokenizer") if saved is not None
+                     else get_tokenizer(str(hparams.get("tokenizer", "gpt2"))))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
     try:
         cfg = model_config(ckpt, tokenizer.n_vocab)
     except (TypeError, ValueError) as err:

@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tiktoken import Encoding
 from torch import Tensor
 
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.tokenizer import to_hf_tokenizer
 
 __all__ = [
     "TABLE",
@@ -259,20 +261,40 @@ def load_hf(directory: str | Path) -> GPTModel:
     return from_hf_state_dict(state, hf_config)
 
 
-def export_hf(model: GPTModel, directory: str | Path) -> Path:
+def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
+              ) -> Path:
     """Write `model` as a GPT-2 directory that `transformers` loads.
 
     The directory holds `config.json` and `model.safetensors`, and
-    `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. To export a
-    checkpoint, load it first: `export_hf(load_checkpoint(path).model, directory)`.
+    `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,
+    also its `tokenizer.json` and `tokenizer_config.json`, so that
+    `AutoTokenizer.from_pretrained(directory)` encodes text to the ids the model was
+    trained on (and `load_checkpoint(directory)` reads the vocabulary back). A checkpoint
+    carries both: `loaded = load_checkpoint(path); export_hf(loaded.model, directory,
+    loaded.tokenizer)`.
 
     Raises:
-        ValueError: the model uses grouped-query or sliding-window attention.
+        ValueError: the model uses grouped-query or sliding-window attention, or
+            `tokenizer` does not have the model's number of ids.
     """
     hf_config = config_to_hf(model.cfg)
+    if tokenizer is not None:
+        if tokenizer.n_vocab != model.cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the model "
+                f"{model.cfg.vocab_size}: export the tokenizer the model was trained with "
+                "(load_checkpoint(path).tokenizer)"
+            )
+        hf_config.update(bos_token_id=tokenizer.eot_token, eos_token_id=tokenizer.eot_token)
     state = {k: v.cpu() for k, v in to_hf_state_dict(model).items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if tokenizer is not None:
+        (directory / "tokenizer.json").write_text(json.dumps(to_hf_tokenizer(tokenizer)))
+        end = tokenizer.decode_single_token_bytes(tokenizer.eot_token).decode()
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end,
+                    "eos_token": end, "model_max_length": model.cfg.context_length}
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     return directory

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.checkpoint import model_config
 from gptmini.model import GPTConfig, GPTModel, flops_per_token
-from gptmini.tokenizer import get_tokenizer
+from gptmini.tokenizer import get_tokenizer, token_byte_lengths, tokenizer_to_dict
 
 
 class GPTLitModule(L.LightningModule):
@@ -36,8 +36,10 @@ class GPTLitModule(L.LightningModule):
         """A GPT and how it is optimized.
 
         Args:
-            tokenizer: tiktoken encoding name; "gpt2" works offline. The model's vocab_size is
-                this tokenizer's number of ids.
+            tokenizer: "gpt2" (offline), "byte", a saved tokenizer's path, or a tiktoken
+                encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
+                "bpe:N", fitted to the run's corpus and saved in the run directory. The
+                model's vocab_size is this tokenizer's number of ids.
             init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
                 weights start a new run, for fine-tuning; the model settings must match
                 its config.json, except that a shorter context_length keeps the first
@@ -72,6 +74,8 @@ class GPTLitModule(L.LightningModule):
         self._bad_steps = self._first_bad_step = None  # tensors on the device, at train start
         self._peak_flops = peak_flops
         self._rng_to_restore: dict | None = None
+        self._token_bytes: Tensor | None = None  # bytes of text per id, for val/bpb
+        self._val_nats = self._val_bytes = None
         self.resuming = False
         """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
         after `setup`, which must already know not to load `init_from` (train.py sets it)."""
@@ -132,13 +136,33 @@ class GPTLitModule(L.LightningModule):
         self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
         return loss
 
+    def on_validation_epoch_start(self):
+        self._val_nats = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._val_bytes = torch.zeros((), dtype=torch.long, device=self.device)
+        if self._token_bytes is None or self._token_bytes.device != self.device:
+            lengths = token_byte_lengths(get_tokenizer(self.hparams.tokenizer))
+            self._token_bytes = torch.tensor(lengths, device=self.device)
+
     def validation_step(self, batch, batch_idx: int):
-        self.log("val/loss", self._loss(batch), sync_dist=True)
+        inputs, targets, *documents = batch
+        nats = self.model(inputs, targets=targets, reduction="none",
+                          document_ids=documents[0] if documents else None,
+                          loss_chunk_size=self.hparams.loss_chunk_size)
+        counted = targets != -100  # cross_entropy's ignore_index
+        self.log("val/loss", nats.sum() / counted.sum(), sync_dist=True)
+        # Bits per byte compares tokenizers: the nats of the targets over the bytes of text
+        # they stand for. Special tokens stand for no text: they leave both sums.
+        num_bytes = self._token_bytes[targets.clamp(min=0)] * counted
+        self._val_nats += (nats * (num_bytes > 0)).sum()
+        self._val_bytes += num_bytes.sum()
 
     def on_validation_epoch_end(self):
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+        nats = self.trainer.strategy.reduce(self._val_nats, reduce_op="sum")
+        num_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
+        self.log("val/bpb", nats / num_bytes.clamp(min=1) / math.log(2))
 
     # --- non-finite steps: skipped on the device, reported at the next check
 
@@ -244,6 +268,9 @@ class GPTLitModule(L.LightningModule):
                 "--model.learning_rate: --ckpt_path last"
             )
         checkpoint["model_config"] = self.cfg.to_dict()  # rebuilds the model without us
+        # The vocabulary itself (by name for GPT-2's), so the checkpoint is all that
+        # generate.py, the visualizer and the export need.
+        checkpoint["tokenizer"] = tokenizer_to_dict(get_tokenizer(self.hparams.tokenizer))
         checkpoint["precision"] = str(self.trainer.precision)  # kept by a resume's "auto"
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():

@@ -37,8 +37,10 @@ from gptmini.callbacks import (
 from gptmini.checkpoint import check_readable
 from gptmini.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import GPTDataModule
+from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
+from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and every other config applies on top."""
@@ -122,6 +124,7 @@ class GPTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         check_intervals(self.config)
         self._resolve_precision()
+        self._resolve_tokenizer()
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -136,7 +139,7 @@ class GPTCLI(LightningCLI):
         trainer = self.config.trainer
         if trainer.precision != AUTO:
             return
-        saved = _saved_precision(self.config.ckpt_path, run_dir(self))
+        saved = _saved(self.config.ckpt_path, run_dir(self)).get("precision")
         if saved is not None:
             trainer.precision, why = saved, "kept from the checkpoint being resumed"
         else:
@@ -144,22 +147,45 @@ class GPTCLI(LightningCLI):
         if rank_zero_only.rank == 0:
             print(f"precision: {trainer.precision} (auto: {why})", flush=True)
 
+    def _resolve_tokenizer(self) -> None:
+        """--model.tokenizer bpe:N: the vocabulary fitted to this run's corpus (cached), saved
+        as the run directory's tokenizer.json; model and data then read that file. A resumed
+        run takes the vocabulary its checkpoint holds, whatever the corpus says now."""
+        model, data = self.config.model, self.config.data
+        if model.init_from and model.tokenizer != "gpt2":
+            raise ValueError(
+                f"--model.init_from {model.init_from} starts from GPT-2's weights, whose "
+                f"embeddings only fit GPT-2's vocabulary, not --model.tokenizer "
+                f"{model.tokenizer}: fine-tune with the gpt2 tokenizer, or drop init_from to "
+                "train from scratch with the new vocabulary"
+            )
+        vocab_size = parse_bpe(model.tokenizer)
+        if vocab_size is None:
+            return
+        target = run_dir(self) / "tokenizer.json"
+        saved = _saved(self.config.ckpt_path, run_dir(self)).get("tokenizer")
+        if saved is not None:
+            enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
+        else:
+            enc = load_tokenizer(GPTDataModule(**data.as_dict()).fit_tokenizer(vocab_size))
+        save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
+        model.tokenizer = data.tokenizer = str(target)
+
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 
 
-def _saved_precision(ckpt_path: str | None, run: Path) -> str | None:
-    """The precision a checkpoint to resume was trained in (None: none, or unreadable;
-    fit() reports an unreadable one)."""
+def _saved(ckpt_path: str | None, run: Path) -> dict:
+    """The checkpoint to resume, memory-mapped ({}: none, or unreadable; fit() reports an
+    unreadable one)."""
     if ckpt_path is None:
-        return None
+        return {}
     path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(
-            "precision")
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
-        return None
+        return {}
 
 
 def make_loggers(run_dir: Path, run_name: str, use_wandb: bool, project: str) -> list:

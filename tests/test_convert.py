@@ -188,3 +188,23 @@ def test_import_errors_for_missing_files_and_weights(tmp_path):
     state["transformer.h.0.attn.c_attn.weight"] = torch.zeros(32, 90)
     with pytest.raises(ValueError, match="do not fit"):
         from_hf_state_dict(state, hf.config)
+
+
+def test_a_fitted_vocabulary_exports_with_its_tokenizer_and_comes_back(tmp_path):
+    from gptmini.tokenizer import get_tokenizer, tokenizer_fingerprint, train_bpe
+
+    enc = train_bpe(["But soft, what light through yonder window breaks? " * 50], 280)
+    ours = make_model(vocab_size=enc.n_vocab, qkv_bias=True, tie_weights=True)
+    directory = export_hf(ours, tmp_path / "hf", enc)
+    text = "what light breaks<|endoftext|> soft"
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    assert theirs.encode(text) == enc.encode(text, allowed_special="all")
+    assert theirs.eos_token_id == enc.eot_token
+    assert json.loads((directory / "config.json").read_text())["eos_token_id"] == enc.eot_token
+    back = load_checkpoint(directory)
+    assert tokenizer_fingerprint(back.tokenizer) == tokenizer_fingerprint(enc)
+    idx = torch.tensor([enc.encode(text, allowed_special="all")])
+    with torch.inference_mode():
+        torch.testing.assert_close(back.model(idx), ours(idx))
+    with pytest.raises(ValueError, match=f"'gpt2' has 50257 ids but the model {enc.n_vocab}"):
+        export_hf(ours, tmp_path / "wrong", get_tokenizer("gpt2"))

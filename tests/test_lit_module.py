@@ -187,3 +187,36 @@ def test_init_from_a_different_shape_names_the_fields_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"n_layers=2, context_length=32\); set "
                                          r"--model.n_layers 2 --model.context_length 32"):
         _setup_for_fit(module)
+
+
+def test_bits_per_byte_is_the_nats_of_text_targets_over_their_bytes():
+    """A hand computation, independent of the module's: float64 log-softmax of the model's
+    logits, each target's byte length from tiktoken, <|endoftext|> targets left out."""
+    import lightning as L
+
+    from gptmini.tokenizer import get_tokenizer
+
+    enc = get_tokenizer("gpt2")
+    module = GPTLitModule(tokenizer="gpt2", context_length=8, emb_dim=16, n_heads=2,
+                          n_layers=1, drop_rate=0.0)
+    ids = enc.encode("Hello world, what light through yonder window<|endoftext|> breaks",
+                     allowed_special="all")
+    rows = torch.tensor([ids[:9], ids[2:11]])  # 11 ids; <|endoftext|> is the 10th
+    batches = [(rows[:, :-1], rows[:, 1:]), (rows[:1, 1:], rows[:1, :-1])]
+    nats = num_bytes = 0.0
+    with torch.no_grad():
+        for inputs, targets in batches:
+            logp = module.model(inputs).double().log_softmax(-1)
+            for b, t in zip(*torch.nonzero(targets >= 0, as_tuple=True), strict=True):
+                token = int(targets[b, t])
+                if token == enc.eot_token:
+                    continue
+                nats -= float(logp[b, t, token])
+                num_bytes += len(enc.decode_single_token_bytes(token))
+    assert enc.eot_token in rows  # the special target is there, and must be dropped
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)  # the batches as they are
+    trainer.validate(module, dataloaders=loader, verbose=False)
+    bpb = float(trainer.callback_metrics["val/bpb"])
+    assert bpb == pytest.approx(nats / num_bytes / math.log(2), rel=1e-5)

@@ -431,3 +431,50 @@ def test_training_with_document_masks_lowers_the_loss(tmp_path, backend):
     rows = read_metrics(tmp_path / "runs" / "tiny")
     train, val = column(rows, "train/loss"), column(rows, "val/loss")
     assert train[-1] < train[0] - 3.0 and val[-1] < val[0] - 1.0
+
+
+@pytest.mark.slow
+def test_a_fitted_vocabulary_travels_in_the_checkpoint(tmp_path, corpus, capsys):
+    """bpe:N is fitted on the corpus and saved with the run; the checkpoint alone then
+    generates, resumes and exports after the run directory's other files are gone."""
+    import shutil
+
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.cli import generate_main
+    from gptmini.tokenizer import get_tokenizer, tokenizer_fingerprint
+
+    args = tiny_args(tmp_path, corpus, "--model.tokenizer", "bpe:300",
+                     "--trainer.max_steps", "10", "--trainer.val_check_interval", "5")
+    assert main(args) == 0
+    run = tmp_path / "runs" / "tiny"
+    fitted = get_tokenizer(str(run / "tokenizer.json"))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(ckpt).model.cfg.vocab_size == fitted.n_vocab <= 300
+    bpb = column(read_metrics(run), "val/bpb")
+    assert len(bpb) == 2 and 0 < bpb[-1] < bpb[0]
+
+    for path in [*run.iterdir(), corpus.parent / "cache"]:
+        if path.name != "checkpoints":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    capsys.readouterr()
+    assert generate_main(["--checkpoint", str(ckpt), "--prompt", "Romeo said",
+                          "--max_new_tokens", "8", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("Romeo said")
+    loaded = load_checkpoint(ckpt)
+    assert tokenizer_fingerprint(loaded.tokenizer) == tokenizer_fingerprint(fitted)
+
+    # Resumed, the run takes its vocabulary from the checkpoint, even from another corpus.
+    other = write_corpus(tmp_path / "other.txt", repeats=12)
+    other.write_text(other.read_text().replace("Romeo", "Mercutio"))
+    resumed = [a if a != str(corpus) else str(other) for a in args]
+    assert main([*resumed, "--trainer.max_steps", "12", "--ckpt_path", "last"]) == 0
+    assert tokenizer_fingerprint(get_tokenizer(str(run / "tokenizer.json"))) == \
+        tokenizer_fingerprint(fitted)
+
+
+def test_a_fitted_vocabulary_with_gpt2_weights_is_refused(tmp_path, corpus, capsys):
+    args = tiny_args(tmp_path, corpus, "--model.tokenizer", "bpe:300",
+                     "--model.init_from", str(tmp_path / "gpt2"))
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "only fit GPT-2's vocabulary" in err and "Traceback" not in err

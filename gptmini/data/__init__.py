@@ -20,6 +20,7 @@ from gptmini.data.corpus import EMBEDDED_CORPUS, CorpusSpec, default_cache_dir, 
 from gptmini.data.documents import load_documents
 from gptmini.data.module import GPTDataModule
 from gptmini.data.tokens import TokenCache, tokenize_corpus
+from gptmini.data.vocab import fit_tokenizer
 from gptmini.data.windows import (
     ResumableSampler,
     SlidingWindowDataset,
@@ -36,6 +37,7 @@ __all__ = [
     "TokenCache",
     "create_dataloader",
     "default_cache_dir",
+    "fit_tokenizer",
     "load_documents",
     "permute",
     "resolve_source",

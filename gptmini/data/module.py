@@ -1,6 +1,7 @@
 """The DataModule: a corpus as (input, target) windows for Lightning, resumable mid-epoch."""
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gptmini.data.corpus import CorpusSpec, resolve_source
 from gptmini.data.tokens import TokenCache, tokenize_corpus
+from gptmini.data.vocab import fit_tokenizer
 from gptmini.data.windows import ResumableSampler, SlidingWindowDataset, _check_positive
 from gptmini.tokenizer import get_tokenizer
 
@@ -43,7 +45,9 @@ class GPTDataModule(L.LightningDataModule):
         hub_config: hub dataset configuration (subset) name.
         hub_split: hub dataset split to train on.
         streaming: read the corpus as a stream (tokenizing needs no Arrow copy of it).
-        tokenizer: tiktoken encoding name; "gpt2" works offline.
+        tokenizer: "gpt2" (offline), "byte", a saved tokenizer's path or a tiktoken name
+            (see `gptmini.tokenizer.get_tokenizer`); train.py turns "bpe:N" into the path
+            of the vocabulary it fits (`fit_tokenizer`).
         max_length: tokens per window (the model's context length).
         stride: tokens between training windows; None means max_length (no overlap).
         batch_size: windows per batch, per rank.
@@ -159,6 +163,13 @@ class GPTDataModule(L.LightningDataModule):
         cache = tokenize(train_spec, self.val_fraction)
         name = train_spec.description
         return cache.load("train"), cache.load("val"), name, f"{name} (validation split)"
+
+    def fit_tokenizer(self, vocab_size: int) -> Path:
+        """Fit a BPE of `vocab_size` ids to this corpus's training split (cached); its path."""
+        separate_val = self.val_source is not None or self.hub_val_split is not None
+        return fit_tokenizer(self._spec(self.source, self.hub_split), vocab_size,
+                             val_fraction=0.0 if separate_val else self.val_fraction,
+                             cache_dir=self.cache_dir)
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (Lightning calls this on one process per node)."""
