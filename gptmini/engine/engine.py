@@ -1,0 +1,376 @@
+"""Continuous batching: many requests through one model, over a paged KV cache.
+
+Each `step` does what a chapter 4 reader would do by hand for a batch, but with requests
+that come and go:
+
+1. take the requests added since the last step (from any thread) and drop cancelled ones;
+2. admit waiting requests, oldest first, while the pool has blocks for their prompts,
+   reusing the cached blocks of a prefix seen before, and *prefill* each one: run its
+   prompt (the part not cached) once, writing its keys and values into its blocks;
+3. *decode*: one forward pass over the newest token of every other running request, each
+   attending to its own blocks, so a short request leaves the batch as soon as it ends
+   and a new one takes its place at the next step;
+4. sample each request's next token with its own random generator, and finish requests
+   that drew a stop token, wrote a stop string or reached max_new_tokens.
+
+When a decode step needs a block and none is free, the youngest running request is
+*preempted*: its blocks go back (named ones stay cached), it waits at the front of the
+queue, and when readmitted its prompt and tokens so far are computed again (the cached
+blocks make that cheap). Its generator is kept, so its text is the same as if it had never
+been preempted.
+
+Positions are each request's own (the padding path of `GPTModel.forward`). A request that
+outgrows `context_length` slides exactly as `generate()` does: from then on each token
+recomputes the last `context_length` tokens. Unlike `generate()`, which crops a prompt
+that is too long, the engine refuses it: silently dropping the start of a prompt is not
+what a server's client asked for.
+"""
+
+import itertools
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from gptmini.engine.blocks import BlockAllocator, block_hash
+from gptmini.engine.paged import KVPool
+from gptmini.generation import _check_sampling, sample_next_token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates (the names of `generate()`'s arguments)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0: greedy."""
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    """Seeds the request's own generator: the same text whatever else is batched."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end the request (not included in its output)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the request (its text is cut before them; needs a tokenizer)."""
+
+    def check(self) -> None:
+        _check_sampling(self.temperature, self.top_k, self.top_p)
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation; `tokens` grows as the engine steps."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    """Generated ids (stop ids excluded)."""
+    text: str = ""
+    """The generated text, when the engine has a tokenizer (cut before a stop string)."""
+    finish_reason: str | None = None
+    """None while running; then "length", "stop", "cancelled"."""
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    table: list[int] = field(default_factory=list)
+    """Block ids of the tokens in the cache, in order."""
+    names: list[bytes] = field(default_factory=list)
+    """Prefix-cache names of its full blocks, in order."""
+    start: int = 0
+    """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
+    num_cached: int = 0
+    """Tokens from `start` whose keys and values are in the blocks."""
+    events: queue.Queue = field(default_factory=queue.Queue, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+class Engine:
+    """Generate for many requests at once from one `GPTModel` (see the module docstring).
+
+    Args:
+        model: a `GPTModel`; put in eval mode. Its dtype and device are the cache's.
+        tokenizer: a tiktoken `Encoding`, needed for stop strings and `Request.text`.
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool (all layers together); None: enough for
+            `max_batch` requests of `context_length` tokens.
+        max_batch: most requests running at once.
+        prefix_caching: reuse the blocks of prompts that start the same way.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
+                 num_blocks: int | None = None, max_batch: int = 32,
+                 prefix_caching: bool = True):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.context = model.cfg.context_length
+        self.block_size, self.max_batch = block_size, max_batch
+        self.blocks_per_sequence = math.ceil(self.context / block_size)
+        num_blocks = num_blocks or max_batch * self.blocks_per_sequence
+        weight = next(model.parameters())
+        self.pool = KVPool(model.cfg, num_blocks, block_size, weight.dtype, weight.device)
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.device, self.prefix_caching = weight.device, prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._incoming: list[Request] = []
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        self.num_prefilled = 0
+        """Prompt tokens computed by prefills (the ones found in the prefix cache are not)."""
+
+    # --- requests in ----------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    **settings) -> Request:
+        """Queue a prompt (token ids); safe from any thread. `settings` are
+        `SamplingParams` fields, for `params` not given.
+
+        Raises:
+            ValueError: an empty prompt, one longer than context_length, ids outside the
+                vocabulary, invalid sampling settings, stop strings without a tokenizer,
+                or a request the pool could never hold.
+        """
+        params = params or SamplingParams(**settings)
+        params.check()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; start it with <|endoftext|> "
+                             "(tokenizer.eot_token) to generate from nothing")
+        if len(prompt) > self.context:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but context_length is {self.context}; "
+                f"shorten it to at most {self.context} (the engine never crops a prompt)")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt ids must be in [0, {vocab}), got "
+                             f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer: Engine(model, "
+                             "tokenizer, ...)")
+        longest = min(len(prompt) + params.max_new_tokens, self.context)
+        if math.ceil(longest / self.block_size) > self.blocks.num_blocks:
+            raise ValueError(
+                f"this request can grow to {longest} tokens, more than the whole KV pool "
+                f"({self.blocks.num_blocks} blocks of {self.block_size}); raise num_blocks "
+                "or lower max_new_tokens")
+        request = Request(next(self._ids), prompt, params)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.max_new_tokens == 0:
+            self._finish(request, "length")
+            return request
+        with self._lock:
+            self._incoming.append(request)
+        return request
+
+    def cancel(self, request: Request | int) -> None:
+        """Stop a request at the next step; its blocks go back to the pool. Any thread."""
+        with self._lock:
+            self._cancelled.add(request if isinstance(request, int) else request.id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._incoming)
+
+    # --- one step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit, prefill, decode and sample once (see the module docstring)."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+            cancelled, self._cancelled = self._cancelled, set()
+        for request in [*self.waiting, *self.running]:
+            if request.id in cancelled:
+                self._finish(request, "cancelled")
+        sliding = [r for r in self.running if len(r.all_tokens) > self.context]
+        for request in sliding:  # past the context: recompute the last context_length
+            self._release(request)
+            self.running.remove(request)
+            self.waiting.appendleft(request)
+        fresh = self._admit()
+        decoding = [r for r in self.running if r not in fresh]
+        decoding = self._reserve(decoding)
+        for request in fresh:
+            if request in self.running:  # not preempted by an older request's growth
+                self._sample(request, self._prefill(request))
+        if decoding:
+            logits = self._decode(decoding)  # (b, vocab_size)
+            for i, request in enumerate(decoding):
+                self._sample(request, logits[i:i + 1])
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            tokens = request.all_tokens[-self.context:]
+            request.start = len(request.all_tokens) - len(tokens)
+            hits = self._cached_prefix(request, tokens)
+            needed = math.ceil(len(tokens) / self.block_size) - len(hits)
+            if needed > self.blocks.num_free:
+                for block in hits:
+                    self.blocks.release(block)
+                break  # oldest first: later requests wait their turn
+            request.table = hits + [self.blocks.allocate() for _ in range(needed)]
+            request.names = request.names[:len(hits)]
+            request.num_cached = len(hits) * self.block_size
+            self.waiting.popleft()
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _cached_prefix(self, request: Request, tokens: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `tokens` (each now used once more). The
+        last token is always computed: its logits pick the next token."""
+        hits, names, parent = [], [], None
+        if not self.prefix_caching:
+            return hits
+        size = self.block_size
+        for i in range((len(tokens) - 1) // size):
+            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
+            block = self.blocks.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+            names.append(parent)
+        request.names = names
+        return hits
+
+    def _reserve(self, decoding: list[Request]) -> list[Request]:
+        """A slot for every decoding request's newest token, preempting the youngest
+        running requests while the pool is short. Returns those still decoding."""
+        for request in sorted(decoding, key=lambda r: r.id):
+            if request not in self.running:
+                continue  # preempted for an older one
+            if request.num_cached == len(request.table) * self.block_size:  # all full
+                while self.blocks.num_free == 0:
+                    self._preempt(max(self.running, key=lambda r: r.id))
+                    if request not in self.running:
+                        break
+                else:
+                    request.table.append(self.blocks.allocate())
+        return [r for r in decoding if r in self.running]
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    # --- the model ------------------------------------------------------------------
+
+    def _prefill(self, request: Request) -> Tensor:
+        tokens = request.all_tokens[request.start:]
+        begin, end = request.num_cached, len(tokens)
+        read = torch.tensor([self.pool.slots(request.table, 0, end)], device=self.device)
+        write = read[:, begin:]
+        ids = torch.tensor([tokens[begin:]], device=self.device)
+        logits = self.model(ids, kv_caches=self.pool.views(read, write), logits_to_keep=1)
+        request.num_cached = end
+        self.num_prefilled += end - begin
+        self._name_full_blocks(request, tokens)
+        return logits[:, -1].float()
+
+    def _decode(self, batch: list[Request]) -> Tensor:
+        longest = max(r.num_cached + 1 for r in batch)
+        read, mask, write, ids = [], [], [], []
+        for request in batch:
+            n = request.num_cached + 1
+            slots = self.pool.slots(request.table, 0, n)
+            read.append([0] * (longest - n) + slots)
+            mask.append([0] * (longest - n) + [1] * n)
+            write.append(slots[-1:])
+            ids.append(request.all_tokens[-1:])
+        read, write = (torch.tensor(x, device=self.device) for x in (read, write))
+        mask, ids = (torch.tensor(x, device=self.device) for x in (mask, ids))
+        logits = self.model(ids, mask, kv_caches=self.pool.views(read, write),
+                            logits_to_keep=1)
+        for request in batch:
+            request.num_cached += 1
+            self._name_full_blocks(request, request.all_tokens[request.start:])
+        return logits[:, -1].float()
+
+    def _name_full_blocks(self, request: Request, tokens: list[int]) -> None:
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        for i in range(len(request.names), request.num_cached // size):
+            parent = request.names[-1] if request.names else None
+            name = block_hash(parent, tokens[i * size:(i + 1) * size])
+            request.table[i] = self.blocks.register(request.table[i], name)
+            request.names.append(name)
+
+    # --- tokens out -----------------------------------------------------------------
+
+    def _sample(self, request: Request, logits: Tensor) -> None:
+        p = request.params
+        token = int(sample_next_token(logits, temperature=p.temperature, top_k=p.top_k,
+                                      top_p=p.top_p, generator=request.generator)[0])
+        if token in p.stop_ids:
+            self._finish(request, "stop")
+            return
+        request.tokens.append(token)
+        reason = "length" if len(request.tokens) >= p.max_new_tokens else None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.tokens)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+            request.text = text
+        request.events.put(token)
+        if reason:
+            self._finish(request, reason)
+
+    def _release(self, request: Request) -> None:
+        for block in request.table:
+            self.blocks.release(block)
+        request.table, request.num_cached = [], 0
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self._release(request)
+        for where in (self.running, self.waiting):
+            if request in where:
+                where.remove(request)
+        request.finish_reason = reason
+        request.events.put(None)
+
+    # --- whole runs -----------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 **settings) -> list[Request]:
+        """Run `prompts` to the end, batched; the finished requests, in order."""
+        requests = [self.add_request(p, params, **settings) for p in prompts]
+        while not all(r.done for r in requests):
+            self.step()
+        return requests
+
+    def stream(self, request: Request) -> Iterator[int]:
+        """Yield `request`'s tokens as they come, stepping the engine while it waits (from
+        the thread that steps the engine; another thread may step it instead)."""
+        while True:
+            try:
+                token = request.events.get_nowait()
+            except queue.Empty:
+                self.step()
+                continue
+            if token is None:
+                return
+            yield token

@@ -1,0 +1,198 @@
+"""The engine against `generate()`: the same tokens for every request, whatever the batch.
+
+Every identical-token test runs in float64: float32 kernels differ between batch shapes
+(a padded decode batch vs one prompt alone) by more than a near-tie between two logits.
+"""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from gptmini.engine import Engine, SamplingParams
+from gptmini.generation import generate
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.tokenizer import byte_tokenizer
+
+CONTEXT = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=257, context_length=CONTEXT, emb_dim=32, n_heads=4,
+                    n_layers=2, drop_rate=0.0)
+    return GPTModel(cfg).double().eval()
+
+
+def alone(model, prompt, max_new_tokens, **kw) -> list[int]:
+    """The oracle: generate() on this prompt by itself, with the KV cache."""
+    out = generate(model, torch.tensor([prompt]), max_new_tokens, use_cache=True, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def random_requests(n: int, seed: int, shared_prefix: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared_prefix)]
+    return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
+             rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]  # prompt, output, arrival
+
+
+def run(engine, requests, cancel_at=None, **settings):
+    """Add each request at its arrival step and step until all are done."""
+    added, step = [], 0
+    while len(added) < len(requests) or engine.has_work:
+        for prompt, max_new, arrival in requests[len(added):]:
+            if arrival > step:
+                break
+            added.append(engine.add_request(prompt, max_new_tokens=max_new, **settings))
+        if cancel_at and step in cancel_at:
+            engine.cancel(added[cancel_at[step]])
+        engine.step()
+        step += 1
+    return added
+
+
+@pytest.mark.parametrize(("num_blocks", "shared_prefix"), [(None, 0), (None, 20), (14, 0),
+                                                           (14, 20)])
+def test_thirty_requests_each_get_what_generate_gives_it_alone(model, num_blocks, shared_prefix):
+    """Mixed lengths, staggered arrivals, prompts that slide past the context; with 14
+    blocks of 4 the pool cannot hold them all, so requests are preempted and recomputed."""
+    requests = sorted(random_requests(30, seed=1, shared_prefix=shared_prefix),
+                      key=lambda r: r[2])
+    engine = Engine(model, block_size=4, num_blocks=num_blocks, max_batch=8)
+    done = run(engine, requests)
+    for (prompt, max_new, _), request in zip(requests, done, strict=True):
+        assert request.tokens == alone(model, prompt, max_new), request.id
+        assert request.finish_reason == "length"
+    assert (engine.num_preemptions > 0) == (num_blocks is not None)
+    assert engine.blocks.in_use() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_stop_ids_stop_strings_and_cancellations(model):
+    enc = byte_tokenizer()
+    requests = sorted(random_requests(30, seed=2), key=lambda r: r[2])
+    engine = Engine(model, enc, block_size=4, max_batch=8)
+    refs = [alone(model, p, m) for p, m, _ in requests]
+    added = []
+    for i, ((prompt, max_new, _), ref) in enumerate(zip(requests, refs, strict=True)):
+        if i % 3 == 1 and len(ref) > 3:  # stop at the third token's id
+            added.append(engine.add_request(prompt, max_new_tokens=max_new,
+                                            stop_ids=(ref[2],)))
+        elif i % 3 == 2 and any(t < 128 for t in ref):  # stop at an ASCII character
+            added.append(engine.add_request(prompt, max_new_tokens=max_new,
+                                            stop=(chr(next(t for t in ref if t < 128)),)))
+        else:
+            added.append(engine.add_request(prompt, max_new_tokens=max_new))
+    for _ in range(3):
+        engine.step()
+    cancelled = [r for r in added if len(r.tokens) >= 2 and not r.done][:3]
+    for request in cancelled:
+        engine.cancel(request)
+    while engine.has_work:
+        engine.step()
+    for request, ref in zip(added, refs, strict=True):
+        p = request.params
+        if request in cancelled:
+            assert request.finish_reason == "cancelled"
+            assert request.tokens == ref[:len(request.tokens)]
+        elif p.stop_ids:
+            assert request.tokens == ref[:ref.index(p.stop_ids[0])]
+            assert request.finish_reason == "stop"
+        elif p.stop:
+            cut = ref.index(ord(p.stop[0]))
+            assert request.tokens == ref[:cut + 1] and request.finish_reason == "stop"
+            assert request.text == enc.decode(ref[:cut])
+        else:
+            assert request.tokens == ref and request.text == enc.decode(ref)
+    assert len(cancelled) == 3 and engine.blocks.in_use() == 0
+
+
+def test_a_seeded_request_samples_the_same_whatever_else_is_batched(model):
+    prompt, settings = [5, 17, 99], dict(max_new_tokens=20, temperature=1.0, top_k=50, seed=7)
+    expected = alone(model, prompt, 20, temperature=1.0, top_k=50, seed=7)
+    by_itself = Engine(model, block_size=4).generate([prompt], **settings)[0].tokens
+    crowd = Engine(model, block_size=4, num_blocks=12, max_batch=4)
+    others = [crowd.add_request(p, max_new_tokens=m, temperature=1.0)
+              for p, m, _ in random_requests(6, seed=3)]
+    mine = crowd.add_request(prompt, **settings)
+    while crowd.has_work:
+        crowd.step()
+    assert by_itself == mine.tokens == expected
+    assert all(r.done for r in others)
+
+
+def test_a_shared_prompt_is_computed_once_and_its_blocks_are_shared(model):
+    engine = Engine(model, block_size=4)
+    prompt = list(range(30))  # 7 full blocks and 2 tokens
+    first = engine.generate([prompt], max_new_tokens=1)[0]
+    assert engine.num_prefilled == 30
+    samples = [engine.add_request(prompt, max_new_tokens=5, temperature=1.0, seed=s)
+               for s in range(4)]
+    engine.step()
+    assert engine.num_prefilled == 30 + 4 * 2  # the cached 28 tokens are not recomputed
+    shared = set(samples[0].table[:7])
+    assert all(set(r.table[:7]) == shared for r in samples)
+    assert all(engine.blocks.ref_count[b] == 4 for b in shared)
+    while engine.has_work:
+        engine.step()
+    assert first.tokens == alone(model, prompt, 1)
+    assert engine.blocks.in_use() == 0
+
+
+@pytest.mark.parametrize(("prompt", "settings", "message"), [
+    ([], {}, "the prompt is empty"),
+    (list(range(CONTEXT + 1)), {}, "never crops a prompt"),
+    ([1, 2], {"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
+    ([1, 2], {"temperature": -0.5}, "temperature must be"),
+    ([1, 2], {"top_p": 1.5}, "top_p must be in"),
+    ([1, 300], {}, "prompt ids must be in"),
+    ([1, 2], {"stop": ("x",)}, "stop strings need the engine's tokenizer"),
+])
+def test_bad_requests_are_refused_and_the_others_go_on(model, prompt, settings, message):
+    engine = Engine(model, block_size=4)
+    good = engine.add_request([3, 4, 5], max_new_tokens=6)
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, **settings)
+    while engine.has_work:
+        engine.step()
+    assert good.tokens == alone(model, [3, 4, 5], 6)
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused(model):
+    engine = Engine(model, block_size=4, num_blocks=3)
+    with pytest.raises(ValueError, match="more than the whole KV pool"):
+        engine.add_request([1] * 10, max_new_tokens=10)
+
+
+def test_requests_added_from_many_threads_while_the_engine_steps(model):
+    engine = Engine(model, block_size=4, max_batch=6)
+    requests = random_requests(24, seed=4)
+    added, lock = [], threading.Lock()
+
+    def client(chunk):
+        for prompt, max_new, _ in chunk:
+            request = engine.add_request(prompt, max_new_tokens=max_new)
+            with lock:
+                added.append((prompt, max_new, request))
+
+    threads = [threading.Thread(target=client, args=(requests[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) or engine.has_work:
+        engine.step()
+    for t in threads:
+        t.join()
+    assert len(added) == 24
+    for prompt, max_new, request in added:
+        assert request.tokens == alone(model, prompt, max_new)
+
+
+def test_stream_yields_the_tokens_as_they_come(model):
+    engine = Engine(model, block_size=4)
+    request = engine.add_request([7, 8, 9], SamplingParams(max_new_tokens=12))
+    other = engine.add_request([1, 2], max_new_tokens=3)
+    assert list(engine.stream(request)) == alone(model, [7, 8, 9], 12) == request.tokens
+    assert other.done
