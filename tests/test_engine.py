@@ -196,3 +196,25 @@ def test_stream_yields_the_tokens_as_they_come(model):
     other = engine.add_request([1, 2], max_new_tokens=3)
     assert list(engine.stream(request)) == alone(model, [7, 8, 9], 12) == request.tokens
     assert other.done
+
+
+def test_with_a_sliding_window_a_request_keeps_only_the_blocks_its_window_sees():
+    torch.manual_seed(1)
+    cfg = GPTConfig(vocab_size=257, context_length=CONTEXT, emb_dim=32, n_heads=4,
+                    n_layers=2, drop_rate=0.0, window_size=8)
+    windowed = GPTModel(cfg).double().eval()
+    engine = Engine(windowed, block_size=4, max_batch=8)
+    requests = sorted(random_requests(30, seed=5), key=lambda r: r[2])
+    held = []
+    added, step = [], 0
+    while len(added) < len(requests) or engine.has_work:
+        while len(added) < len(requests) and requests[len(added)][2] <= step:
+            prompt, max_new, _ = requests[len(added)]
+            added.append(engine.add_request(prompt, max_new_tokens=max_new))
+        engine.step()
+        held += [sum(b >= 0 for b in r.table) for r in engine.running]
+        step += 1
+    for (prompt, max_new, _), request in zip(requests, added, strict=True):
+        assert request.tokens == alone(windowed, prompt, max_new)
+    assert max(held) <= 8 // 4 + 1
+    assert engine.blocks.in_use() == 0

@@ -81,7 +81,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     table: list[int] = field(default_factory=list)
-    """Block ids of the tokens in the cache, in order."""
+    """Block ids of the tokens in the cache, in order (-1: dropped behind the window)."""
     names: list[bytes] = field(default_factory=list)
     """Prefix-cache names of its full blocks, in order."""
     start: int = 0
@@ -287,6 +287,7 @@ class Engine:
         request.num_cached = end
         self.num_prefilled += end - begin
         self._name_full_blocks(request, tokens)
+        self._drop_blocks_behind_window(request)
         return logits[:, -1].float()
 
     def _decode(self, batch: list[Request]) -> Tensor:
@@ -306,7 +307,23 @@ class Engine:
         for request in batch:
             request.num_cached += 1
             self._name_full_blocks(request, request.all_tokens[request.start:])
+            self._drop_blocks_behind_window(request)
         return logits[:, -1].float()
+
+    def _drop_blocks_behind_window(self, request: Request) -> None:
+        """With a sliding window, the next query (position num_cached) sees keys from
+        num_cached + 1 - window_size on: blocks wholly before that go back to the pool,
+        leaving a hole (-1) in the table, so a sequence holds about window/block + 1 blocks.
+        The holes still count as positions (read from a dummy slot that the window mask
+        hides)."""
+        window = self.model.cfg.window_size
+        if window is None:
+            return
+        first_seen = request.num_cached + 1 - window
+        for i in range(max(0, first_seen) // self.block_size):
+            if request.table[i] >= 0:
+                self.blocks.release(request.table[i])
+                request.table[i] = -1
 
     def _name_full_blocks(self, request: Request, tokens: list[int]) -> None:
         if not self.prefix_caching:
@@ -341,7 +358,8 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         for block in request.table:
-            self.blocks.release(block)
+            if block >= 0:  # -1: dropped behind the window already
+                self.blocks.release(block)
         request.table, request.num_cached = [], 0
 
     def _finish(self, request: Request, reason: str) -> None:

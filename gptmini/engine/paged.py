@@ -32,9 +32,10 @@ class KVPool:
         return per_slot * self.block_size * self.keys.shape[0]
 
     def slots(self, table: list[int], start: int, end: int) -> list[int]:
-        """The slots of tokens start ... end - 1 of a sequence whose blocks are `table`."""
+        """The slots of tokens start ... end - 1 of a sequence whose blocks are `table`
+        (a dropped block, -1, reads block 0: a dummy the window mask hides)."""
         size = self.block_size
-        return [table[i // size] * size + i % size for i in range(start, end)]
+        return [max(table[i // size], 0) * size + i % size for i in range(start, end)]
 
     def views(self, read: Tensor, write: Tensor) -> list["PagedView"]:
         """One view per layer for a step that writes slots `write` (b, num_new) and then
