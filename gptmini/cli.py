@@ -1,6 +1,7 @@
 """The command lines behind generate.py and visualize.py (argparse mains)."""
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -35,6 +36,15 @@ def generate_parser() -> argparse.ArgumentParser:
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
     text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
+    text.add_argument("--batch_file", type=Path,
+                      help="many prompts, batched by the engine: one per line, or .jsonl "
+                           "records with \"prompt\" (and optional max_new_tokens, "
+                           "temperature, top_k, top_p, seed, stop); one JSON result per "
+                           "prompt, in order, to --output")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="with --batch_file: write the results here (default: stdout)")
+    parser.add_argument("--max_batch", type=int, default=32,
+                        help="with --batch_file: most requests decoded at once")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
@@ -43,7 +53,8 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--stream", action="store_true", help="print tokens as they come")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, "float32", "bfloat16"],
+    parser.add_argument("--dtype", default=AUTO,
+                        choices=[AUTO, "float32", "bfloat16", "float64"],
                         help="compute in; auto = bfloat16 where the device has bf16 units")
     return parser
 
@@ -70,6 +81,8 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             prompt = args.prompt
         model, tokenizer, _ = load_checkpoint(args.checkpoint or args.hf, map_location=device)
         model.to(auto_dtype(args.dtype, device))
+        if args.batch_file is not None:
+            return generate_batch(model, tokenizer, args, top_k)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
 
@@ -94,6 +107,77 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             out.write("".join(pieces))
         out.write("\n")
         out.flush()
+    return 0
+
+
+def read_batch_file(path: Path) -> list[dict]:
+    """The prompts of a --batch_file: one per line, or one JSON record per line (.jsonl)."""
+    if not path.is_file():
+        raise ValueError(f"--batch_file {path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl":
+        return [{"prompt": line} for line in lines if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} is not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{number} needs a "prompt" string')
+        unknown = set(record) - {"prompt", *BATCH_SETTINGS}
+        if unknown:
+            raise ValueError(f"{path}:{number}: unknown field(s) {sorted(unknown)}; known: "
+                             f"prompt, {', '.join(BATCH_SETTINGS)}")
+        records.append(record)
+    return records
+
+
+BATCH_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespace,
+                   top_k: int | None) -> int:
+    """--batch_file: every prompt through the engine at once; results in prompt order.
+
+    With --seed S, prompt i is seeded S + i: its text does not depend on the batch.
+    """
+    from tqdm import tqdm
+
+    from gptmini.engine import Engine
+
+    records = read_batch_file(args.batch_file)
+    engine = Engine(model, tokenizer, max_batch=args.max_batch)
+    requests = []
+    for i, record in enumerate(records):
+        settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                    "top_k": top_k, "top_p": args.top_p,
+                    "seed": None if args.seed is None else args.seed + i,
+                    **{k: v for k, v in record.items() if k != "prompt"}}
+        settings["stop"] = tuple([settings["stop"]] if isinstance(settings.get("stop"), str)
+                                 else settings.get("stop") or ())
+        ids = tokenizer.encode(record["prompt"], allowed_special={"<|endoftext|>"})
+        try:
+            requests.append(engine.add_request(ids or [tokenizer.eot_token],
+                                               stop_ids=(tokenizer.eot_token,), **settings))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"prompt {i + 1} of {args.batch_file}: {err}") from None
+    with tqdm(total=len(requests), desc="prompts", unit="prompt", file=sys.stderr,
+              disable=len(requests) < 2) as bar:
+        while engine.has_work:
+            engine.step()
+            bar.update(sum(r.done for r in requests) - bar.n)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for i, (record, request) in enumerate(zip(records, requests, strict=True)):
+            out.write(json.dumps({"index": i, "prompt": record["prompt"], "text": request.text,
+                                  "tokens": len(request.tokens),
+                                  "finish_reason": request.finish_reason}) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
     return 0
 
 

@@ -66,14 +66,15 @@ def auto_precision(accelerator: str | None) -> tuple[str, str]:
 
 
 def auto_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """The dtype to generate in: "float32", "bfloat16", or "auto" (bf16 where native).
+    """The dtype to generate in: "float32", "bfloat16", "float64" (exact comparisons), or
+    "auto" (bf16 where native).
 
     Raises:
         ValueError: an unknown name.
     """
-    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
     if name == AUTO:
         return torch.bfloat16 if device_has_bf16(device) else torch.float32
     if name not in choices:
-        raise ValueError(f"dtype {name!r} is not one of auto, float32, bfloat16")
+        raise ValueError(f"dtype {name!r} is not one of auto, float32, bfloat16, float64")
     return choices[name]

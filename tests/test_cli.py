@@ -1,5 +1,6 @@
 """The command lines behind generate.py and visualize.py."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,42 @@ def test_a_padded_vocabulary_never_samples_an_id_the_tokenizer_lacks(tmp_path, c
     out = run_main(capsys, "--checkpoint", path, "--temperature", 5, "--num_samples", 64,
                    "--max_new_tokens", 4, "--seed", 0)
     assert out.count("--- sample") == 64
+
+
+def test_batch_file_writes_one_result_per_prompt_in_order(tmp_path, capsys):
+    """Each result is what its prompt generates alone (greedy, float64), whatever the batch;
+    jsonl records carry their own settings."""
+    model = make_model(vocab_size=257, context_length=32)
+    ckpt = save_checkpoint(model, tmp_path / "byte.ckpt", tokenizer="byte")
+    enc, model = get_tokenizer("byte"), model.double()
+    prompts = ["ROMEO:", "JULIET: O", "x", "<|endoftext|>", "What light"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    common = ["--checkpoint", str(ckpt), "--temperature", "0", "--dtype", "float64"]
+    assert generate_main([*common, "--batch_file", str(tmp_path / "prompts.txt"),
+                          "--max_new_tokens", "6", "--max_batch", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in lines] == prompts and [r["index"] for r in lines] == [*range(5)]
+    for line in lines:
+        ids = enc.encode(line["prompt"], allowed_special="all")
+        alone = generate(model, torch.tensor([ids]), 6, eos_id=enc.eot_token, use_cache=True)
+        assert line["text"] == enc.decode(alone[0, len(ids):].tolist())
+        assert line["finish_reason"] == ("length" if line["tokens"] == 6 else "stop")
+
+    text = lines[0]["text"]  # random bytes: stop at the first new ASCII character after one
+    k = next(k for k in range(1, len(text)) if text[k].isascii() and text[k] not in text[:k])
+    (tmp_path / "prompts.jsonl").write_text(
+        json.dumps({"prompt": "ROMEO:", "max_new_tokens": 3}) + "\n"
+        + json.dumps({"prompt": "ROMEO:", "max_new_tokens": 6, "stop": text[k]}) + "\n")
+    assert generate_main([*common, "--batch_file", str(tmp_path / "prompts.jsonl"),
+                          "--output", str(tmp_path / "out.jsonl")]) == 0
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out[0]["tokens"] == 3
+    assert out[1]["text"] == text[:k] and out[1]["finish_reason"] == "stop"
+
+
+def test_batch_file_errors_name_the_line(tmp_path, capsys):
+    ckpt = save_checkpoint(make_model(vocab_size=257), tmp_path / "byte.ckpt", tokenizer="byte")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"promt": "b"}\n')
+    with pytest.raises(SystemExit):
+        generate_main(["--checkpoint", str(ckpt), "--batch_file", str(tmp_path / "bad.jsonl")])
+    assert 'bad.jsonl:2 needs a "prompt" string' in capsys.readouterr().err
