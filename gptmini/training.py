@@ -40,7 +40,7 @@ from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
-from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
+from gptmini.tokenizer import FORMAT, load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and every other config applies on top."""
@@ -159,15 +159,21 @@ class GPTCLI(LightningCLI):
                 f"{model.tokenizer}: fine-tune with the gpt2 tokenizer, or drop init_from to "
                 "train from scratch with the new vocabulary"
             )
-        vocab_size = parse_bpe(model.tokenizer)
-        if vocab_size is None:
-            return
-        target = run_dir(self) / "tokenizer.json"
-        saved = _saved(self.config.ckpt_path, run_dir(self)).get("tokenizer")
-        if saved is not None:
+        checkpoint = _saved(self.config.ckpt_path, run_dir(self))
+        if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
+            saved = checkpoint.get("tokenizer") or {
+                "format": FORMAT,
+                "name": str(checkpoint.get("hyper_parameters", {}).get("tokenizer", "gpt2"))}
+            if "tokens" not in saved:
+                model.tokenizer = data.tokenizer = saved["name"]
+                return
             enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
         else:
+            vocab_size = parse_bpe(model.tokenizer)
+            if vocab_size is None:
+                return
             enc = load_tokenizer(GPTDataModule(**data.as_dict()).fit_tokenizer(vocab_size))
+        target = run_dir(self) / "tokenizer.json"
         save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
         model.tokenizer = data.tokenizer = str(target)
 
