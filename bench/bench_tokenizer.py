@@ -12,6 +12,7 @@ trainers' vocabularies encode validation to the same number of tokens. Then gptm
 """
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -23,7 +24,7 @@ from gptmini.data import resolve_source
 from gptmini.data.documents import load_documents
 from gptmini.data.tokens import _is_val
 from gptmini.data.vocab import fit_tokenizer
-from gptmini.tokenizer import GPT2_PATTERN, _encoding, train_bpe
+from gptmini.tokenizer import GPT2_PATTERN, from_hf_tokenizer, train_bpe
 
 
 def split_texts(val_fraction: float = 0.05) -> tuple[list[str], list[str]]:
@@ -45,18 +46,7 @@ def train_hf(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    # ByteLevel writes each byte as a printable character (GPT-2's table): undo it.
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    to_byte = {chr(c): b for b, c in zip(printable, chars, strict=True)}
-    ranks = {bytes(to_byte[ch] for ch in token): rank
-             for token, rank in tok.get_vocab().items()}
-    return _encoding(f"hf{vocab_size}", ranks)
+    return from_hf_tokenizer(json.loads(tok.to_str()), f"hf{vocab_size}")
 
 
 def best_time(fn, repeat: int):
