@@ -123,8 +123,9 @@ class GPTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         check_intervals(self.config)
-        self._resolve_precision()
-        self._resolve_tokenizer()
+        resumed = _saved(self.config.ckpt_path, run_dir(self))  # read once, for both
+        self._resolve_precision(resumed)
+        self._resolve_tokenizer(resumed)
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -133,13 +134,13 @@ class GPTCLI(LightningCLI):
                 f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
             )
 
-    def _resolve_precision(self) -> None:
+    def _resolve_precision(self, checkpoint: dict) -> None:
         """--trainer.precision auto, decided here and said: a resumed run keeps the precision
         its checkpoint was trained in, on whatever machine it resumes."""
         trainer = self.config.trainer
         if trainer.precision != AUTO:
             return
-        saved = _saved(self.config.ckpt_path, run_dir(self)).get("precision")
+        saved = checkpoint.get("precision")
         if saved is not None:
             trainer.precision, why = saved, "kept from the checkpoint being resumed"
         else:
@@ -147,7 +148,7 @@ class GPTCLI(LightningCLI):
         if rank_zero_only.rank == 0:
             print(f"precision: {trainer.precision} (auto: {why})", flush=True)
 
-    def _resolve_tokenizer(self) -> None:
+    def _resolve_tokenizer(self, checkpoint: dict) -> None:
         """--model.tokenizer bpe:N: the vocabulary fitted to this run's corpus (cached), saved
         as the run directory's tokenizer.json; model and data then read that file. A resumed
         run takes the vocabulary its checkpoint holds, whatever the corpus says now."""
@@ -159,7 +160,6 @@ class GPTCLI(LightningCLI):
                 f"{model.tokenizer}: fine-tune with the gpt2 tokenizer, or drop init_from to "
                 "train from scratch with the new vocabulary"
             )
-        checkpoint = _saved(self.config.ckpt_path, run_dir(self))
         if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
             saved = checkpoint.get("tokenizer") or {
                 "format": FORMAT,
