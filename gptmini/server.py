@@ -1,0 +1,381 @@
+"""An OpenAI-compatible completions server over the engine (FastAPI and uvicorn).
+
+Every HTTP request becomes engine requests (one per prompt and choice); one background
+thread steps the engine whenever there is work, so concurrent clients share its batches.
+Handlers only add requests and wait for their tokens, so a slow or vanished client never
+holds up the others, and a client that disconnects mid-stream cancels its requests (their
+blocks go back to the pool at the next step).
+
+Endpoints: POST /v1/completions, GET /v1/models, GET /health. Chat completions are out of
+scope: a base model has no chat template. Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters and
+malformed JSON, 401 for a missing or wrong key, 404 for an unknown model, 429 when the
+queue is full, 504 when a request outlives its timeout.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gptmini.engine import Engine, Request, SamplingParams
+
+NEUTRAL = {"logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+           "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+           "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "user": None,
+           "stream_options": None}
+"""Fields clients send by default, accepted at their neutral values (None: any value)."""
+KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
+         "stop", "stream", *NEUTRAL}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i of a seeded request draws from (seed, i): the same request, the same texts."""
+    digest = hashlib.blake2b(f"{seed},{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class EngineLoop:
+    """Steps the engine on one background thread while it has work."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self._wake, self._stop = engine, threading.Event(), False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gptmini-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Request:
+        request = self.engine.add_request(prompt, params)
+        self._wake.set()
+        return request
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except BaseException as err:  # keep serving: fail the requests in flight
+                self.error = err
+                for request in [*self.engine.running, *self.engine.waiting]:
+                    self.engine._finish(request, "error")
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass(eq=False)
+class Job:
+    """One /v1/completions call: its engine requests, choice by choice."""
+
+    requests: list[Request]
+    prompt_tokens: int
+    stops: tuple[str, ...]
+    streaming: bool = False  # its stream is being sent
+    closed: bool = False  # answered, cancelled or timed out
+
+    @property
+    def in_flight(self) -> bool:
+        return self.streaming or not (self.closed or all(r.done for r in self.requests))
+
+
+def parse(body: Any, model_name: str, context: int) -> tuple[list[str | list[int]], dict]:
+    """The prompts and sampling settings of a completions body, or an APIError."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise APIError(400, f"unsupported field {unknown[0]!r}", unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if neutral is not None and name in body and body[name] not in neutral:
+            raise APIError(400, f"{name}={body[name]!r} is not supported; leave it at "
+                           f"{neutral[-1]!r}", name)
+    if body.get("model") not in (model_name, None):
+        raise APIError(404, f"the model {body.get('model')!r} does not exist; this server "
+                       f"serves {model_name!r}", "model", kind="not_found_error")
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, str) or _is_ids(p) for p in prompts):
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token "
+                       "ids or a list of such lists", "prompt")
+    stop = body.get("stop")
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, list | tuple) or len(stops) > 4 or not all(
+            isinstance(s, str) and s for s in stops):
+        raise APIError(400, "stop must be a non-empty string or a list of up to 4", "stop")
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
+        raise APIError(400, f"n must be an integer in 1..16, got {n!r}", "n")
+    max_tokens = body.get("max_tokens", 16)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise APIError(400, f"max_tokens must be an integer >= 0, got {max_tokens!r}",
+                       "max_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise APIError(400, f"seed must be an integer, got {seed!r}", "seed")
+    settings = {"max_new_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
+                "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": tuple(stops),
+                "n": n, "seed": seed, "stream": bool(body.get("stream", False)),
+                "include_usage": bool((body.get("stream_options") or {}).get("include_usage"))}
+    if settings["top_p"] is not None and settings["top_p"] == 1:
+        settings["top_p"] = None
+    return prompts, settings
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
+    """Characters at the end of `text` a stream must not send yet: the start of a stop
+    string that the next tokens may complete, or a character still missing bytes."""
+    if final:
+        return 0
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+               default=0)
+    while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
+        hold += 1
+    return hold
+
+
+def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,
+               max_pending: int = 256, timeout: float = 600.0):
+    """The FastAPI application serving `engine` (which needs its tokenizer)."""
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    if engine.tokenizer is None:
+        raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
+    loop, jobs, enc, created = EngineLoop(engine), set(), engine.tokenizer, int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        loop.close()  # after uvicorn has drained the requests in flight
+
+    app = FastAPI(title="gptmini", lifespan=lifespan)
+    app.state.loop = loop
+
+    @app.exception_handler(APIError)
+    async def api_error(_, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, err: RequestValidationError):
+        return JSONResponse(APIError(400, f"invalid request: {err.errors()[:1]}").body(),
+                            status_code=400)
+
+    def authorize(request: HTTPRequest) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                           kind="authentication_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
+                "free_blocks": engine.blocks.num_free}
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest):
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "gptmini"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the body is not valid JSON: {err}") from None
+        prompts, settings = parse(body, model_name, engine.context)
+        jobs.intersection_update([j for j in jobs if j.in_flight])
+        if len(jobs) >= max_pending:
+            raise APIError(429, f"the server is busy ({len(jobs)} completions in flight, the "
+                           "limit); retry later", kind="rate_limit_error")
+        job = submit(prompts, settings)
+        jobs.add(job)
+        if settings["stream"]:
+            return StreamingResponse(stream(job, settings), media_type="text/event-stream")
+        await wait(job, request)
+        return respond(job)
+
+    def submit(prompts, settings) -> Job:
+        requests, prompt_tokens = [], 0
+        for p in prompts:
+            ids = p if isinstance(p, list) else enc.encode(p, allowed_special="all")
+            prompt_tokens += len(ids)
+            for i in range(settings["n"]):
+                seed = None if settings["seed"] is None else choice_seed(settings["seed"], i)
+                params = SamplingParams(
+                    max_new_tokens=settings["max_new_tokens"],
+                    temperature=settings["temperature"], top_k=settings["top_k"],
+                    top_p=settings["top_p"], seed=seed, stop_ids=(enc.eot_token,),
+                    stop=settings["stop"])
+                try:
+                    requests.append(loop.add(ids or [enc.eot_token], params))
+                except (ValueError, TypeError) as err:
+                    for r in requests:
+                        engine.cancel(r)
+                    fields = {"temperature": "temperature", "top_p": "top_p",
+                              "top_k": "top_k", "max_new_tokens": "max_tokens"}
+                    param = next((f for key, f in fields.items() if key in str(err)), "prompt")
+                    raise APIError(400, str(err), param) from None
+        return Job(requests, prompt_tokens, settings["stop"])
+
+    async def wait(job: Job, request: HTTPRequest) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(r.done for r in job.requests):
+            if await request.is_disconnected():
+                cancel(job)
+                return  # (nobody reads the answer)
+            if time.monotonic() > deadline:
+                cancel(job)
+                raise APIError(504, f"the request took longer than {timeout:g} s",
+                               kind="timeout_error")
+            await asyncio.sleep(0.005)
+
+    def cancel(job: Job) -> None:
+        job.closed = True
+        for r in job.requests:
+            if not r.done:
+                engine.cancel(r)
+        loop._wake.set()
+
+    def usage(job: Job) -> dict:
+        completion = sum(len(r.tokens) for r in job.requests)
+        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": job.prompt_tokens + completion}
+
+    def finish_reason(r: Request) -> str:
+        return "length" if r.finish_reason == "length" else "stop"
+
+    def respond(job: Job) -> dict:
+        job.closed = True
+        if any(r.finish_reason == "error" for r in job.requests):
+            raise APIError(500, f"the engine failed: {loop.error}", kind="server_error")
+        choices = [{"index": i, "text": r.text, "logprobs": None,
+                    "finish_reason": finish_reason(r)} for i, r in enumerate(job.requests)]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": choices,
+                "usage": usage(job)}
+
+    async def stream(job: Job, settings: dict):
+        ident, sent = f"cmpl-{uuid.uuid4().hex}", [0] * len(job.requests)
+        reported = [False] * len(job.requests)
+
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        def chunk(i: int, text: str, reason: str | None) -> str:
+            return event({"id": ident, "object": "text_completion", "created": int(time.time()),
+                          "model": model_name, "choices": [{"index": i, "text": text,
+                          "logprobs": None, "finish_reason": reason}]})
+        job.streaming = True
+        try:
+            deadline = time.monotonic() + timeout
+            while not all(reported):
+                progressed = False
+                for i, r in enumerate(job.requests):
+                    if reported[i]:
+                        continue
+                    done, text = r.done, r.text
+                    ready = len(text) - held_back(text, job.stops, done)
+                    if ready > sent[i]:
+                        yield chunk(i, text[sent[i]:ready], None)
+                        sent[i], progressed = ready, True
+                    if done:
+                        yield chunk(i, "", finish_reason(r))
+                        reported[i] = progressed = True
+                if progressed:
+                    await asyncio.sleep(0)  # let the other clients' handlers run
+                    continue
+                if time.monotonic() > deadline:  # (a disconnect cancels this generator)
+                    cancel(job)
+                    return
+                await asyncio.sleep(0.005)
+            if settings["include_usage"]:
+                yield event({"id": ident, "object": "text_completion",
+                             "created": int(time.time()), "model": model_name, "choices": [],
+                             "usage": usage(job)})
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel(job)  # a client gone mid-stream: its blocks go back at the next step
+            job.streaming = False
+
+    return app
+
+
+def serve_main(argv=None) -> int:
+    """`python serve.py --checkpoint PATH`: serve a checkpoint until SIGTERM or Ctrl-C, which
+    stop taking connections and finish the requests in flight (up to --drain seconds)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the network")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model_name", default=None, help="default: the checkpoint's name")
+    parser.add_argument("--api_key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--max_batch", type=int, default=32)
+    parser.add_argument("--block_size", type=int, default=16)
+    parser.add_argument("--num_blocks", type=int, default=None)
+    parser.add_argument("--max_pending", type=int, default=256,
+                        help="completions calls in flight before answering 429")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--drain", type=float, default=30.0,
+                        help="seconds to finish requests in flight on SIGTERM")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float64"])
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        parser.error("the server needs its extra: pip install -e '.[serve]'")
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.precision import auto_dtype
+
+    try:
+        model, tokenizer, _ = load_checkpoint(args.checkpoint, map_location=args.device)
+        model.to(auto_dtype(args.dtype, args.device))
+        engine = Engine(model, tokenizer, block_size=args.block_size,
+                        num_blocks=args.num_blocks, max_batch=args.max_batch)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        parser.error(str(err))
+    name = args.model_name or args.checkpoint.stem
+    app = create_app(engine, name, api_key=args.api_key, max_pending=args.max_pending,
+                     timeout=args.timeout)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions)",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
+                log_level="warning")
+    return 0

@@ -1,0 +1,231 @@
+"""The completions server, called with the official openai client and with raw HTTP.
+
+Every output is compared with the engine's offline output for the same request run alone
+(float64 weights, so batching with other clients cannot flip a near-tie).
+"""
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from gptmini.engine import Engine
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.tokenizer import byte_tokenizer
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from gptmini.server import choice_seed, create_app  # noqa: E402
+
+ENC = byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=ENC.n_vocab, context_length=64, emb_dim=32, n_heads=4,
+                    n_layers=2, drop_rate=0.0)
+    return GPTModel(cfg).double().eval()
+
+
+def start(model, **options):
+    """A server on 127.0.0.1, port 0, in a thread: (base url, engine, stop function)."""
+    engine = Engine(model, ENC, block_size=4, max_batch=16)
+    app = create_app(engine, "tiny", **options)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://127.0.0.1:{port}", engine, stop
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    url, engine, stop = start(model)
+    yield url, engine
+    stop()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def offline(model, prompt: str, max_tokens: int, seed=None, **settings) -> str:
+    """The engine's text for this request alone."""
+    engine = Engine(model, ENC, block_size=4)
+    request = engine.add_request(ENC.encode(prompt, allowed_special="all"),
+                                 max_new_tokens=max_tokens, seed=seed,
+                                 stop_ids=(ENC.eot_token,), **settings)
+    while engine.has_work:
+        engine.step()
+    return request.text
+
+
+@pytest.fixture(scope="module")
+def endless(model) -> str:
+    """A prompt whose greedy text runs 300 tokens without <|endoftext|>: a request that is
+    surely still running when a test looks at it."""
+    for letter in "abcdefgh":
+        engine = Engine(model, ENC, block_size=4)
+        request = engine.add_request(ENC.encode(letter * 40), max_new_tokens=300,
+                                     stop_ids=(ENC.eot_token,))
+        while engine.has_work:
+            engine.step()
+        if request.finish_reason == "length":
+            return letter * 40
+    raise AssertionError("no prompt runs long enough")
+
+
+def test_the_pinned_client_still_offers_the_completions_api():
+    assert callable(openai.OpenAI(api_key="x", base_url="http://127.0.0.1:9").completions.create)
+
+
+def test_plain_completion_equals_the_offline_engine(client, model):
+    done = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=12,
+                                     temperature=0)
+    assert done.choices[0].text == offline(model, "ROMEO:", 12, temperature=0.0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    assert done.usage.prompt_tokens == 6 and done.usage.completion_tokens <= 12
+
+
+def test_streaming_sends_the_same_text_then_done(client, model):
+    chunks = list(client.completions.create(model="tiny", prompt="JULIET:", max_tokens=15,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline(model, "JULIET:", 15, temperature=0.0)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_seeded_choices_draw_from_seed_and_index(client, model):
+    ask = dict(model="tiny", prompt=["a", "b"], max_tokens=10, temperature=1.0, n=3, seed=5)
+    first = [c.text for c in client.completions.create(**ask).choices]
+    assert first == [c.text for c in client.completions.create(**ask).choices]
+    expected = [offline(model, p, 10, temperature=1.0, seed=choice_seed(5, i))
+                for p in ("a", "b") for i in range(3)]
+    assert first == expected and len(set(first)) > 1
+
+
+def test_stop_strings_spanning_tokens_are_held_back_while_streaming(client, model, endless):
+    full = offline(model, endless, 60, temperature=0.0)
+    stop = next(full[k:k + 2] for k in range(1, len(full) - 1)
+                if full[k:k + 2].isascii() and full[k:k + 2] not in full[:k + 1])
+    expected = offline(model, endless, 60, temperature=0.0, stop=(stop,))
+    assert expected == full[:full.index(stop)]
+    ask = dict(model="tiny", prompt=endless, max_tokens=60, temperature=0, stop=[stop])
+    plain = client.completions.create(**ask)
+    streamed = client.completions.create(**ask, stream=True)
+    assert plain.choices[0].text == expected and plain.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_fifty_concurrent_requests_all_complete_each_as_alone(client, model):
+    prompts = [f"Request {i}: " for i in range(50)]
+    start_time = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        texts = list(pool.map(lambda p: client.completions.create(
+            model="tiny", prompt=p, max_tokens=10, temperature=0).choices[0].text, prompts))
+    assert time.monotonic() - start_time < 60
+    assert texts == [offline(model, p, 10, temperature=0.0) for p in prompts]
+
+
+@pytest.mark.parametrize(("body", "status", "message", "param"), [
+    ("{not json", 400, "not valid JSON", None),
+    ({"model": "tiny", "prompt": "a", "logprobs": 5}, 400, "logprobs=5 is not supported",
+     "logprobs"),
+    ({"model": "tiny", "prompt": "a", "frequency_penalty": 0.5}, 400, "not supported",
+     "frequency_penalty"),
+    ({"model": "tiny", "prompt": "a", "tools": []}, 400, "unsupported field 'tools'", "tools"),
+    ({"model": "nope", "prompt": "a"}, 404, "does not exist", "model"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ({"model": "tiny", "prompt": "a", "temperature": -1}, 400, "temperature", "temperature"),
+    ({"model": "tiny", "prompt": "a", "top_p": 3}, 400, "top_p", "top_p"),
+    ({"model": "tiny", "prompt": "x" * 65}, 400, "context_length is 64", "prompt"),
+    ({"model": "tiny", "prompt": []}, 400, "prompt must be", "prompt"),
+    ({"model": "tiny", "prompt": "a", "n": 0}, 400, "n must be", "n"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, model, body,
+                                                               status, message, param):
+    url, _ = served
+    content = body if isinstance(body, str) else json.dumps(body)
+    answer = httpx.post(f"{url}/v1/completions", content=content,
+                        headers={"content-type": "application/json"}, timeout=30)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=3,
+                                     temperature=0).choices[0].text == offline(
+        model, "ok", 3, temperature=0.0)
+
+
+def test_neutral_values_of_default_fields_are_accepted(client):
+    done = client.completions.create(model="tiny", prompt="a", max_tokens=2, echo=False,
+                                     logprobs=None, best_of=1, presence_penalty=0,
+                                     frequency_penalty=0, logit_bias={}, user="me")
+    assert len(done.choices) == 1
+
+
+def test_models_and_health(served):
+    url, engine = served
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["free_blocks"] <= engine.blocks.num_blocks
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, endless):
+    url, engine = served
+    free = engine.blocks.num_free
+    body = {"model": "tiny", "prompt": endless, "max_tokens": 10_000, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()  # (kept: a dropped iterator closes the stream)
+        next(lines)  # the first event: the request is running
+        assert engine.blocks.num_free < free
+    deadline = time.monotonic() + 10
+    while engine.blocks.num_free != free or engine.running:
+        assert time.monotonic() < deadline, "the disconnected request kept its blocks"
+        time.sleep(0.02)
+
+
+def test_api_key_queue_limit_and_timeout(model, endless):
+    url, engine, stop = start(model, api_key="secret", max_pending=1, timeout=2.0)
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        key = {"authorization": "Bearer secret"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=key).status_code == 200
+        long = {**body, "prompt": endless, "max_tokens": 10_000, "stream": True,
+                "temperature": 0}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=key,
+                          timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            busy = httpx.post(f"{url}/v1/completions", json=body, headers=key)
+            assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+        deadline = time.monotonic() + 10
+        while engine.running:  # the closed stream's request is cancelled
+            assert time.monotonic() < deadline, "the closed stream kept running"
+            time.sleep(0.02)
+        slow = httpx.post(f"{url}/v1/completions", json={**long, "stream": False},
+                          headers=key, timeout=30)
+        assert slow.status_code == 504 and "longer than 2 s" in slow.json()["error"]["message"]
+    finally:
+        stop()
