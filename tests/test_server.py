@@ -229,3 +229,54 @@ def test_api_key_queue_limit_and_timeout(model, endless):
         assert slow.status_code == 504 and "longer than 2 s" in slow.json()["error"]["message"]
     finally:
         stop()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
+    """serve.py as users run it: SIGTERM stops new connections, finishes the running stream
+    to its [DONE], then exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_checkpoint, tiny
+
+    torch.manual_seed(0)
+    checkpoint = save_checkpoint(GPTModel(tiny()).eval(), tmp_path / "tiny.ckpt")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
+                               "--port", str(port), "--dtype", "float32"], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "serve.py did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 1500, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+            lines = answer.iter_lines()
+            next(lines)  # the stream is running
+            server.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+            with pytest.raises(httpx.TransportError):  # no new connections while draining
+                httpx.get(f"{url}/health")
+        assert rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2][6:])["usage"]
+        last = json.loads(rest[-3][6:])["choices"][0]
+        assert last["finish_reason"] == "length" and usage["completion_tokens"] == 1500
+        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        server.kill()
+        server.wait()
