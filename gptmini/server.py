@@ -54,18 +54,23 @@ def choice_seed(seed: int, i: int) -> int:
 
 
 class EngineLoop:
-    """Steps the engine on one background thread while it has work."""
+    """Steps the engine on one background thread while it has work, and tells the event
+    loop after each step (`on_step`), so handlers wake when their tokens are there."""
 
     def __init__(self, engine: Engine):
         self.engine, self._wake, self._stop = engine, threading.Event(), False
         self.error: BaseException | None = None
+        self.on_step = lambda: None
         self._thread = threading.Thread(target=self._run, name="gptmini-engine", daemon=True)
         self._thread.start()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         request = self.engine.add_request(prompt, params)
-        self._wake.set()
+        self.wake()
         return request
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def _run(self) -> None:
         while not self._stop:
@@ -77,13 +82,29 @@ class EngineLoop:
                 self.engine.step()
             except BaseException as err:  # keep serving: fail the requests in flight
                 self.error = err
-                for request in [*self.engine.running, *self.engine.waiting]:
-                    self.engine._finish(request, "error")
+                self.engine.abort("error")
+            self.on_step()
 
     def close(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+class Ticker:
+    """An asyncio event set at every engine step: handlers await the next one."""
+
+    def __init__(self):
+        self._event = asyncio.Event()
+
+    def tick(self) -> None:  # on the event loop, through call_soon_threadsafe
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def next(self, seconds: float) -> None:
+        """Return at the next step, or after `seconds` at most."""
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._event.wait(), seconds)
 
 
 @dataclass(eq=False)
@@ -173,10 +194,14 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
     loop, jobs, enc, created = EngineLoop(engine), set(), engine.tokenizer, int(time.time())
+    ticker = Ticker()
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        events = asyncio.get_running_loop()
+        loop.on_step = lambda: events.call_soon_threadsafe(ticker.tick)
         yield
+        loop.on_step = lambda: None
         loop.close()  # after uvicorn has drained the requests in flight
 
     app = FastAPI(title="gptmini", lifespan=lifespan)
@@ -259,14 +284,14 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
                 cancel(job)
                 raise APIError(504, f"the request took longer than {timeout:g} s",
                                kind="timeout_error")
-            await asyncio.sleep(0.005)
+            await ticker.next(0.05)
 
     def cancel(job: Job) -> None:
         job.closed = True
         for r in job.requests:
             if not r.done:
                 engine.cancel(r)
-        loop._wake.set()
+        loop.wake()
 
     def usage(job: Job) -> dict:
         completion = sum(len(r.tokens) for r in job.requests)
@@ -301,7 +326,6 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
         try:
             deadline = time.monotonic() + timeout
             while not all(reported):
-                progressed = False
                 for i, r in enumerate(job.requests):
                     if reported[i]:
                         continue
@@ -309,17 +333,20 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
                     ready = len(text) - held_back(text, job.stops, done)
                     if ready > sent[i]:
                         yield chunk(i, text[sent[i]:ready], None)
-                        sent[i], progressed = ready, True
+                        sent[i] = ready
+                    if done and r.finish_reason == "error":
+                        yield event(APIError(500, f"the engine failed: {loop.error}",
+                                             kind="server_error").body())
+                        return
                     if done:
                         yield chunk(i, "", finish_reason(r))
-                        reported[i] = progressed = True
-                if progressed:
-                    await asyncio.sleep(0)  # let the other clients' handlers run
-                    continue
+                        reported[i] = True
                 if time.monotonic() > deadline:  # (a disconnect cancels this generator)
-                    cancel(job)
+                    yield event(APIError(504, f"the request took longer than {timeout:g} s",
+                                         kind="timeout_error").body())
                     return
-                await asyncio.sleep(0.005)
+                if not all(reported):
+                    await ticker.next(0.05)
             if settings["include_usage"]:
                 yield event({"id": ident, "object": "text_completion",
                              "created": int(time.time()), "model": model_name, "choices": [],

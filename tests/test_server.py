@@ -227,6 +227,10 @@ def test_api_key_queue_limit_and_timeout(model, endless):
         slow = httpx.post(f"{url}/v1/completions", json={**long, "stream": False},
                           headers=key, timeout=30)
         assert slow.status_code == 504 and "longer than 2 s" in slow.json()["error"]["message"]
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=key,
+                          timeout=30) as answer:
+            last = [line for line in answer.iter_lines() if line][-1]
+        assert json.loads(last[6:])["error"]["type"] == "timeout_error"  # not [DONE]
     finally:
         stop()
 
@@ -280,3 +284,26 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(model):
+    url, engine, stop = start(model)
+    step, calls = engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        step()
+
+    engine.step, free = failing_once, engine.blocks.num_free
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 4, "temperature": 0}
+        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert failed.status_code == 500
+        assert "out of memory (simulated)" in failed.json()["error"]["message"]
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert again.json()["choices"][0]["text"] == offline(model, "a", 4, temperature=0.0)
+        assert engine.blocks.num_free == free and not engine.has_work
+    finally:
+        stop()

@@ -184,6 +184,18 @@ class Engine:
         with self._lock:
             self._cancelled.add(request if isinstance(request, int) else request.id)
 
+    def abort(self, reason: str = "error") -> list[Request]:
+        """Finish every request, queued or running, with `reason`; their blocks go back.
+        After a failed step the server fails what was in flight and goes on. Call it from
+        the thread that steps the engine."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+        aborted = [*self.running, *self.waiting]
+        for request in aborted:
+            self._finish(request, reason)
+        return aborted
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._incoming)
