@@ -1,10 +1,12 @@
 """The server's cost: N concurrent clients over loopback against the engine offline.
 
-A server on 127.0.0.1 serves the small CPU model (random weights, float32); N client
-threads send the same seeded workload as bench_serving.py (prompts and outputs uniform in
-8..64 tokens, greedy, no stop token), each request timed from send to last byte, and, with
-streaming, to its first token. Printed: generated tokens/s, p50/p99 latency, p50/p99 time
-to first token, failed requests; beside it the engine offline on the same requests.
+The server runs in its own process, as `serve.py` would, with the small CPU model (random
+weights, float32). N client threads send the same seeded workload as bench_serving.py
+(prompts and outputs uniform in 8..64 tokens, greedy, no stop token), streamed, each
+request timed from send to its last event and to its first token. Printed: generated
+tokens/s, p50/p99 latency and time to first token, failed requests; beside them the engine
+offline on the same requests with the same number in flight (the server's overhead). On
+a 2-core machine the clients' process takes about one core, as a remote client would not.
 
     python bench/bench_server.py [--clients 16] [--requests 64]
 """
@@ -12,21 +14,42 @@ to first token, failed requests; beside it the engine offline on the same reques
 import argparse
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
+import socket
 import statistics
-import threading
 import time
 
 import httpx
 import torch
-import uvicorn
 from machine import cpu_description
 
 from gptmini.engine import Engine
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.server import create_app
 from gptmini.tokenizer import get_tokenizer
+
+
+def build(max_batch: int) -> Engine:
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig.from_preset("cpu-small", drop_rate=0.0)).eval()
+    return Engine(model, get_tokenizer("gpt2"), max_batch=max_batch)
+
+
+def serve(port: int, max_batch: int) -> None:
+    """The server process: the same engine behind uvicorn on a loopback port."""
+    import uvicorn
+
+    from gptmini.server import create_app
+
+    uvicorn.run(create_app(build(max_batch), "bench"), host="127.0.0.1", port=port,
+                log_level="error")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def percentile(values, q):
@@ -38,35 +61,38 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max_batch", type=int, default=64)
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores; torch {torch.__version__}; "
           f"{args.clients} clients, {args.requests} requests\n")
-    torch.manual_seed(0)
-    enc = get_tokenizer("gpt2")
-    model = GPTModel(GPTConfig.from_preset("cpu-small", drop_rate=0.0)).eval()
+    eot = get_tokenizer("gpt2").eot_token
     rng = random.Random(0)
-    work = [([rng.randrange(enc.eot_token) for _ in range(rng.randint(8, 64))],
-             rng.randint(8, 64)) for _ in range(args.requests)]
+    work = [([rng.randrange(eot) for _ in range(rng.randint(8, 64))], rng.randint(8, 64))
+            for _ in range(args.requests)]
 
-    offline = Engine(model, enc, max_batch=args.max_batch)
+    offline = build(max_batch=args.clients)  # as many in flight as the server will have
+    offline.generate([work[0][0]], max_new_tokens=2)  # warm-up
     start = time.perf_counter()
-    done = offline.generate([p for p, _ in work][:1], max_new_tokens=2)  # warm-up
-    start = time.perf_counter()
-    requests = [offline.add_request(prompt, max_new_tokens=new, stop_ids=(enc.eot_token,))
+    requests = [offline.add_request(prompt, max_new_tokens=new, stop_ids=(eot,))
                 for prompt, new in work]  # what the server does: stop at <|endoftext|>
     while offline.has_work:
         offline.step()
     offline_rate = sum(len(r.tokens) for r in requests) / (time.perf_counter() - start)
-    del done
+    del offline, requests
 
-    engine = Engine(model, enc, max_batch=args.max_batch)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bench"), host="127.0.0.1",
-                                           port=0, log_level="error"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
+    port = free_port()
+    process = multiprocessing.get_context("spawn").Process(target=serve, args=(port, 64),
+                                                           daemon=True)
+    process.start()
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        try:
+            httpx.get(f"{url}/health").raise_for_status()
+            break
+        except httpx.TransportError:
+            if time.monotonic() > deadline or not process.is_alive():
+                raise SystemExit("the server did not start") from None
+            time.sleep(0.2)
+    url += "/v1/completions"
 
     def call(item):
         prompt, new = item
@@ -85,6 +111,7 @@ def main():
                     tokens = payload["usage"]["completion_tokens"]
         return time.perf_counter() - sent, (first or time.perf_counter()) - sent, tokens
 
+    call(work[0])  # warm-up
     start = time.perf_counter()
     failed, results = 0, []
     with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
@@ -94,10 +121,11 @@ def main():
             except Exception:
                 failed += 1
     took = time.perf_counter() - start
-    server.should_exit = True
+    process.terminate()
+    process.join(timeout=30)
     latency, ttft = [r[0] for r in results], [r[1] for r in results]
     served = sum(r[2] for r in results) / took
-    print(f"engine offline        {offline_rate:8.1f} tok/s")
+    print(f"engine offline        {offline_rate:8.1f} tok/s ({args.clients} in flight)")
     print(f"server, streamed      {served:8.1f} tok/s ({served / offline_rate:.0%} of offline); "
           f"latency p50 {statistics.median(latency):.2f} s, p99 {percentile(latency, 0.99):.2f}"
           f" s; first token p50 {statistics.median(ttft) * 1e3:.0f} ms, p99 "
