@@ -190,6 +190,7 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
@@ -210,6 +211,16 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, err: HTTPException):
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        if request.url.path.endswith("/chat/completions"):
+            message = ("chat completions are not served: a base model has no chat template; "
+                       "POST /v1/completions with a prompt")
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(err.status_code, message, kind=kind).body(),
+                            status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, err: RequestValidationError):

@@ -176,6 +176,14 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, m
         model, "ok", 3, temperature=0.0)
 
 
+def test_unknown_routes_answer_in_openai_shape(served):
+    url, _ = served
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
+    assert chat.status_code == 404 and "no chat template" in chat.json()["error"]["message"]
+    wrong = httpx.get(f"{url}/v1/completions")
+    assert wrong.status_code == 405 and "GET /v1/completions" in wrong.json()["error"]["message"]
+
+
 def test_neutral_values_of_default_fields_are_accepted(client):
     done = client.completions.create(model="tiny", prompt="a", max_tokens=2, echo=False,
                                      logprobs=None, best_of=1, presence_penalty=0,
