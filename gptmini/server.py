@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import socket
 import threading
 import time
 import uuid
@@ -399,6 +400,12 @@ def serve_main(argv=None) -> int:
         import uvicorn
     except ImportError:
         parser.error("the server needs its extra: pip install -e '.[serve]'")
+    try:  # before the minutes a large checkpoint may take to load
+        with socket.create_server((args.host, args.port)):
+            pass
+    except (OSError, OverflowError) as err:
+        parser.error(f"cannot listen on {args.host}:{args.port} ({err}); pick another --port "
+                     "(0..65535, free) or --host")
     from gptmini.checkpoint import load_checkpoint
     from gptmini.precision import auto_dtype
 

@@ -315,3 +315,19 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(model):
         assert engine.blocks.num_free == free and not engine.has_work
     finally:
         stop()
+
+
+def test_serve_py_names_a_bad_checkpoint_or_a_busy_port(tmp_path, capsys):
+    import socket
+
+    from gptmini.server import serve_main
+
+    with pytest.raises(SystemExit) as missing:
+        serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", "0"])
+    assert missing.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        with pytest.raises(SystemExit) as taken:
+            serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", port])
+    assert taken.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in (
+        capsys.readouterr().err)
