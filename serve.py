@@ -2,11 +2,11 @@
 
     python serve.py --checkpoint runs/shakespeare-cpu/checkpoints/last.ckpt --port 8000
 
-All the logic is in `gptmini.server`; `python serve.py -h` lists the options. Needs the
-serve extra: pip install -e '.[serve]'.
+All the logic is in `gptmini.cli.serve_main` and `gptmini.server`; `python serve.py -h`
+lists the options. Needs the serve extra: pip install -e '.[serve]'.
 """
 
-from gptmini.server import serve_main as main
+from gptmini.cli import serve_main as main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,8 +1,9 @@
-"""The command lines behind generate.py and visualize.py (argparse mains)."""
+"""The command lines behind generate.py, visualize.py and serve.py (argparse mains)."""
 
 import argparse
 import json
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from tiktoken import Encoding
 from torch import nn
 
 from gptmini.checkpoint import load_checkpoint
+from gptmini.engine import Engine
 from gptmini.generation import _check_sampling, stream_text
 from gptmini.plots import (
     _check_index,
@@ -145,8 +147,6 @@ def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespa
     With --seed S, prompt i is seeded S + i: its text does not depend on the batch.
     """
     from tqdm import tqdm
-
-    from gptmini.engine import Engine
 
     records = read_batch_file(args.batch_file)
     engine = Engine(model, tokenizer, max_batch=args.max_batch)
@@ -289,4 +289,72 @@ def visualize_main(argv: Sequence[str] | None = None) -> int:
         print(f"visualize.py {args.command}: error: {err}", file=sys.stderr)
         return 1
     print(message)
+    return 0
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The `serve.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="serve.py",
+        description="Serve a gptmini checkpoint or a Hugging Face GPT-2 directory with an "
+                    "OpenAI-compatible completions API.",
+    )
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the network")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model_name", default=None,
+                        help="the name clients ask for (default: the checkpoint's stem)")
+    parser.add_argument("--api_key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--max_batch", type=int, default=32, help="most requests decoded at once")
+    parser.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num_blocks", type=int, default=None,
+                        help="KV blocks in the pool (default: max_batch full contexts)")
+    parser.add_argument("--max_pending", type=int, default=256,
+                        help="completions calls in flight before answering 429")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--drain", type=float, default=30.0,
+                        help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--dtype", default=AUTO,
+                        choices=[AUTO, "float32", "bfloat16", "float64"],
+                        help="compute in; auto = bfloat16 where the device has bf16 units")
+    return parser
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """Run `serve.py`: serve a checkpoint until SIGTERM or Ctrl-C, which stop taking
+    connections and finish the requests in flight (up to --drain seconds). Bad arguments
+    exit with status 2 and a message."""
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+
+        from gptmini.server import create_app
+    except ImportError:
+        parser.error("the server needs its extra: pip install -e '.[serve]'")
+    try:  # before the minutes a large checkpoint may take to load
+        with socket.create_server((args.host, args.port)):
+            pass
+    except (OSError, OverflowError) as err:
+        parser.error(f"cannot listen on {args.host}:{args.port} ({err}); pick another --port "
+                     "(0..65535, free) or --host")
+    try:
+        if args.max_pending < 1 or args.timeout <= 0 or args.drain < 0:
+            raise ValueError("--max_pending must be >= 1, --timeout > 0 and --drain >= 0")
+        device = _resolve_device(args.device)
+        model, tokenizer, _ = load_checkpoint(args.checkpoint, map_location=device)
+        model.to(auto_dtype(args.dtype, device))
+        engine = Engine(model, tokenizer, block_size=args.block_size,
+                        num_blocks=args.num_blocks, max_batch=args.max_batch)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        parser.error(str(err))
+    name = args.model_name or args.checkpoint.stem
+    app = create_app(engine, name, api_key=args.api_key, max_pending=args.max_pending,
+                     timeout=args.timeout)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions)",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
+                log_level="warning")
     return 0

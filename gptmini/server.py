@@ -9,15 +9,15 @@ blocks go back to the pool at the next step).
 Endpoints: POST /v1/completions, GET /v1/models, GET /health. Chat completions are out of
 scope: a base model has no chat template. Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters and
-malformed JSON, 401 for a missing or wrong key, 404 for an unknown model, 429 when the
-queue is full, 504 when a request outlives its timeout.
+malformed JSON, 401 for a missing or wrong key, 404 for an unknown model or path, 429
+when too many calls are in flight, 504 when a request outlives its timeout. The command
+line, `serve.py`, is `gptmini.cli.serve_main`.
 """
 
 import asyncio
 import contextlib
 import hashlib
 import json
-import socket
 import threading
 import time
 import uuid
@@ -123,7 +123,7 @@ class Job:
         return self.streaming or not (self.closed or all(r.done for r in self.requests))
 
 
-def parse(body: Any, model_name: str, context: int) -> tuple[list[str | list[int]], dict]:
+def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
     """The prompts and sampling settings of a completions body, or an APIError."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -251,7 +251,7 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise APIError(400, f"the body is not valid JSON: {err}") from None
-        prompts, settings = parse(body, model_name, engine.context)
+        prompts, settings = parse(body, model_name)
         jobs.intersection_update([j for j in jobs if j.in_flight])
         if len(jobs) >= max_pending:
             raise APIError(429, f"the server is busy ({len(jobs)} completions in flight, the "
@@ -369,58 +369,3 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
             job.streaming = False
 
     return app
-
-
-def serve_main(argv=None) -> int:
-    """`python serve.py --checkpoint PATH`: serve a checkpoint until SIGTERM or Ctrl-C, which
-    stop taking connections and finish the requests in flight (up to --drain seconds)."""
-    import argparse
-    from pathlib import Path
-
-    parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
-    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the network")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model_name", default=None, help="default: the checkpoint's name")
-    parser.add_argument("--api_key", default=None, help="require Authorization: Bearer KEY")
-    parser.add_argument("--max_batch", type=int, default=32)
-    parser.add_argument("--block_size", type=int, default=16)
-    parser.add_argument("--num_blocks", type=int, default=None)
-    parser.add_argument("--max_pending", type=int, default=256,
-                        help="completions calls in flight before answering 429")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--drain", type=float, default=30.0,
-                        help="seconds to finish requests in flight on SIGTERM")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float64"])
-    args = parser.parse_args(argv)
-    try:
-        import uvicorn
-    except ImportError:
-        parser.error("the server needs its extra: pip install -e '.[serve]'")
-    try:  # before the minutes a large checkpoint may take to load
-        with socket.create_server((args.host, args.port)):
-            pass
-    except (OSError, OverflowError) as err:
-        parser.error(f"cannot listen on {args.host}:{args.port} ({err}); pick another --port "
-                     "(0..65535, free) or --host")
-    from gptmini.checkpoint import load_checkpoint
-    from gptmini.precision import auto_dtype
-
-    try:
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, map_location=args.device)
-        model.to(auto_dtype(args.dtype, args.device))
-        engine = Engine(model, tokenizer, block_size=args.block_size,
-                        num_blocks=args.num_blocks, max_batch=args.max_batch)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        parser.error(str(err))
-    name = args.model_name or args.checkpoint.stem
-    app = create_app(engine, name, api_key=args.api_key, max_pending=args.max_pending,
-                     timeout=args.timeout)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions)",
-          flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
-                log_level="warning")
-    return 0

@@ -320,7 +320,7 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(model):
 def test_serve_py_names_a_bad_checkpoint_or_a_busy_port(tmp_path, capsys):
     import socket
 
-    from gptmini.server import serve_main
+    from gptmini.cli import serve_main
 
     with pytest.raises(SystemExit) as missing:
         serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", "0"])
