@@ -54,11 +54,22 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--stream", action="store_true", help="print tokens as they come")
+    _add_device_options(parser)
+    return parser
+
+
+def _add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--dtype", default=AUTO,
                         choices=[AUTO, "float32", "bfloat16", "float64"],
                         help="compute in; auto = bfloat16 where the device has bf16 units")
-    return parser
+
+
+def _load_on_device(path: Path, args: argparse.Namespace) -> tuple[nn.Module, Encoding]:
+    """The model and tokenizer at `path`, on --device in --dtype (ValueError if unusable)."""
+    device = _resolve_device(args.device)
+    model, tokenizer, _ = load_checkpoint(path, map_location=device)
+    return model.to(auto_dtype(args.dtype, device)), tokenizer
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
@@ -81,8 +92,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             prompt = args.prompt_file.read_text(encoding="utf-8")
         else:
             prompt = args.prompt
-        model, tokenizer, _ = load_checkpoint(args.checkpoint or args.hf, map_location=device)
-        model.to(auto_dtype(args.dtype, device))
+        model, tokenizer = _load_on_device(args.checkpoint or args.hf, args)
         if args.batch_file is not None:
             return generate_batch(model, tokenizer, args, top_k)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
@@ -315,10 +325,7 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--drain", type=float, default=30.0,
                         help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    parser.add_argument("--dtype", default=AUTO,
-                        choices=[AUTO, "float32", "bfloat16", "float64"],
-                        help="compute in; auto = bfloat16 where the device has bf16 units")
+    _add_device_options(parser)
     return parser
 
 
@@ -343,9 +350,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.max_pending < 1 or args.timeout <= 0 or args.drain < 0:
             raise ValueError("--max_pending must be >= 1, --timeout > 0 and --drain >= 0")
-        device = _resolve_device(args.device)
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, map_location=device)
-        model.to(auto_dtype(args.dtype, device))
+        model, tokenizer = _load_on_device(args.checkpoint, args)
         engine = Engine(model, tokenizer, block_size=args.block_size,
                         num_blocks=args.num_blocks, max_batch=args.max_batch)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
