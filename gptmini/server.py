@@ -174,14 +174,12 @@ def _is_ids(value) -> bool:
 
 def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
     """Characters at the end of `text` a stream must not send yet: the start of a stop
-    string that the next tokens may complete, or a character still missing bytes."""
+    string that the next tokens may complete. (The engine's text never ends in half a
+    character: it keeps a character's bytes until it is whole.)"""
     if final:
         return 0
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
                default=0)
-    while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
-        hold += 1
-    return hold
 
 
 def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,

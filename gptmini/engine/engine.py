@@ -32,71 +32,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.paged import KVPool
-from gptmini.generation import _check_sampling, sample_next_token
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates (the names of `generate()`'s arguments)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0: greedy."""
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    """Seeds the request's own generator: the same text whatever else is batched."""
-    stop_ids: tuple[int, ...] = ()
-    """Token ids that end the request (not included in its output)."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the request (its text is cut before them; needs a tokenizer)."""
-
-    def check(self) -> None:
-        _check_sampling(self.temperature, self.top_k, self.top_p)
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
-
-
-@dataclass(eq=False)
-class Request:
-    """One prompt's generation; `tokens` grows as the engine steps."""
-
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    """Generated ids (stop ids excluded)."""
-    text: str = ""
-    """The generated text, when the engine has a tokenizer (cut before a stop string)."""
-    finish_reason: str | None = None
-    """None while running; then "length", "stop", "cancelled"."""
-    num_preemptions: int = 0
-    generator: torch.Generator | None = None
-    table: list[int] = field(default_factory=list)
-    """Block ids of the tokens in the cache, in order (-1: dropped behind the window)."""
-    names: list[bytes] = field(default_factory=list)
-    """Prefix-cache names of its full blocks, in order."""
-    start: int = 0
-    """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
-    num_cached: int = 0
-    """Tokens from `start` whose keys and values are in the blocks."""
-    events: queue.Queue = field(default_factory=queue.Queue, repr=False)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.tokens
+from gptmini.engine.request import Detokenizer, Request, SamplingParams
+from gptmini.generation import sample_next_token
 
 
 class Engine:
@@ -170,6 +113,8 @@ class Engine:
                 f"({self.blocks.num_blocks} blocks of {self.block_size}); raise num_blocks "
                 "or lower max_new_tokens")
         request = Request(next(self._ids), prompt, params)
+        if self.tokenizer is not None:
+            request.detokenizer = Detokenizer(self.tokenizer, params.stop)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.max_new_tokens == 0:
@@ -358,12 +303,8 @@ class Engine:
             return
         request.tokens.append(token)
         reason = "length" if len(request.tokens) >= p.max_new_tokens else None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.tokens)
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-            request.text = text
+        if request.detokenizer is not None and request.detokenizer.add(token):
+            reason = "stop"
         request.events.put(token)
         if reason:
             self._finish(request, reason)
@@ -379,6 +320,8 @@ class Engine:
         for where in (self.running, self.waiting):
             if request in where:
                 where.remove(request)
+        if request.detokenizer is not None:
+            request.detokenizer.finish()
         request.finish_reason = reason
         request.events.put(None)
 
