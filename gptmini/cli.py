@@ -65,11 +65,10 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
                         help="compute in; auto = bfloat16 where the device has bf16 units")
 
 
-def _load_on_device(path: Path, args: argparse.Namespace) -> tuple[nn.Module, Encoding]:
-    """The model and tokenizer at `path`, on --device in --dtype (ValueError if unusable)."""
-    device = _resolve_device(args.device)
+def _load_on_device(path: Path, device: torch.device, dtype: str) -> tuple[nn.Module, Encoding]:
+    """The model and tokenizer at `path`, on `device` in `dtype` (--device, --dtype)."""
     model, tokenizer, _ = load_checkpoint(path, map_location=device)
-    return model.to(auto_dtype(args.dtype, device)), tokenizer
+    return model.to(auto_dtype(dtype, device)), tokenizer
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +91,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             prompt = args.prompt_file.read_text(encoding="utf-8")
         else:
             prompt = args.prompt
-        model, tokenizer = _load_on_device(args.checkpoint or args.hf, args)
+        model, tokenizer = _load_on_device(args.checkpoint or args.hf, device, args.dtype)
         if args.batch_file is not None:
             return generate_batch(model, tokenizer, args, top_k)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
@@ -350,7 +349,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.max_pending < 1 or args.timeout <= 0 or args.drain < 0:
             raise ValueError("--max_pending must be >= 1, --timeout > 0 and --drain >= 0")
-        model, tokenizer = _load_on_device(args.checkpoint, args)
+        model, tokenizer = _load_on_device(args.checkpoint, _resolve_device(args.device),
+                                           args.dtype)
         engine = Engine(model, tokenizer, block_size=args.block_size,
                         num_blocks=args.num_blocks, max_batch=args.max_batch)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

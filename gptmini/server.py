@@ -278,9 +278,9 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
                 except (ValueError, TypeError) as err:
                     for r in requests:
                         engine.cancel(r)
-                    fields = {"temperature": "temperature", "top_p": "top_p",
-                              "top_k": "top_k", "max_new_tokens": "max_tokens"}
-                    param = next((f for key, f in fields.items() if key in str(err)), "prompt")
+                    # parse() checked max_tokens; the engine checks the sampling values
+                    param = next((f for f in ("temperature", "top_p", "top_k")
+                                  if f in str(err)), "prompt")
                     raise APIError(400, str(err), param) from None
         return Job(requests, prompt_tokens, settings["stop"])
 
