@@ -1,12 +1,13 @@
 """The server's cost: N concurrent clients over loopback against the engine offline.
 
 The server runs in its own process, as `serve.py` would, with the small CPU model (random
-weights, float32). N client threads send the same seeded workload as bench_serving.py
-(prompts and outputs uniform in 8..64 tokens, greedy, no stop token), streamed, each
-request timed from send to its last event and to its first token. Printed: generated
-tokens/s, p50/p99 latency and time to first token, failed requests; beside them the engine
-offline on the same requests with the same number in flight (the server's overhead). On
-a 2-core machine the clients' process takes about one core, as a remote client would not.
+weights, float32). N client threads send bench_serving.py's seeded workload (prompts and
+outputs uniform in 8..64 tokens, greedy, ending early at <|endoftext|> as the server
+does), streamed, each request timed from send to its last event and to its first token.
+Printed: generated tokens/s, p50/p99 latency and time to first token, failed requests;
+beside them the engine offline on the same requests with the same number in flight (the
+server's overhead). On a 2-core machine the clients' process takes about one core, as a
+remote client would not.
 
     python bench/bench_server.py [--clients 16] [--requests 64]
 """
@@ -16,23 +17,23 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import random
 import socket
 import statistics
 import time
 
 import httpx
 import torch
+from bench_serving import SHAPES, workload
 from machine import cpu_description
 
 from gptmini.engine import Engine
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
 
 def build(max_batch: int) -> Engine:
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig.from_preset("cpu-small", drop_rate=0.0)).eval()
+    model = GPTModel(SHAPES["small"][0]).eval()
     return Engine(model, get_tokenizer("gpt2"), max_batch=max_batch)
 
 
@@ -65,9 +66,8 @@ def main():
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores; torch {torch.__version__}; "
           f"{args.clients} clients, {args.requests} requests\n")
     eot = get_tokenizer("gpt2").eot_token
-    rng = random.Random(0)
-    work = [([rng.randrange(eot) for _ in range(rng.randint(8, 64))], rng.randint(8, 64))
-            for _ in range(args.requests)]
+    cfg, prompts, outputs = SHAPES["small"]
+    work = workload(cfg, prompts, outputs, args.requests)
 
     offline = build(max_batch=args.clients)  # as many in flight as the server will have
     offline.generate([work[0][0]], max_new_tokens=2)  # warm-up
