@@ -34,6 +34,14 @@ def model():
     return GPTModel(cfg).double().eval()
 
 
+def eventually(condition, seconds: float, failure: str) -> None:
+    """Wait until `condition()` holds; fail with `failure` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
 def start(model, **options):
     """A server on 127.0.0.1, port 0, in a thread: (base url, engine, stop function)."""
     engine = Engine(model, ENC, block_size=4, max_batch=16)
@@ -41,10 +49,8 @@ def start(model, **options):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
+    eventually(lambda: server.started or not thread.is_alive(), 20, "the server did not start")
+    assert server.started, "the server did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
 
     def stop():
@@ -207,10 +213,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, endless):
         lines = answer.iter_lines()  # (kept: a dropped iterator closes the stream)
         next(lines)  # the first event: the request is running
         assert engine.blocks.num_free < free
-    deadline = time.monotonic() + 10
-    while engine.blocks.num_free != free or engine.running:
-        assert time.monotonic() < deadline, "the disconnected request kept its blocks"
-        time.sleep(0.02)
+    eventually(lambda: engine.blocks.num_free == free and not engine.running, 10,
+               "the disconnected request kept its blocks")
 
 
 def test_api_key_queue_limit_and_timeout(model, endless):
@@ -228,10 +232,7 @@ def test_api_key_queue_limit_and_timeout(model, endless):
             next(lines)
             busy = httpx.post(f"{url}/v1/completions", json=body, headers=key)
             assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
-        deadline = time.monotonic() + 10
-        while engine.running:  # the closed stream's request is cancelled
-            assert time.monotonic() < deadline, "the closed stream kept running"
-            time.sleep(0.02)
+        eventually(lambda: not engine.running, 10, "the closed stream kept running")
         slow = httpx.post(f"{url}/v1/completions", json={**long, "stream": False},
                           headers=key, timeout=30)
         assert slow.status_code == 504 and "longer than 2 s" in slow.json()["error"]["message"]
