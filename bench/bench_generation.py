@@ -16,8 +16,9 @@ import time
 import torch
 from machine import cpu_name  # bench/machine.py (the script's own folder)
 
+from gptmini.flops import num_parameters
 from gptmini.generation import generate
-from gptmini.model import GPTConfig, GPTModel, num_parameters
+from gptmini.model import GPTConfig, GPTModel
 
 CONFIGS = {
     "small (cpu-small: 4L, emb 256, ctx 128)": GPTConfig.from_preset("cpu-small", drop_rate=0.0),

@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch import Callback
 from machine import cpu_description  # bench/machine.py (the script's own folder)
 
-from gptmini.lit_module import lr_factor, measure_matmul_flops
-from gptmini.model import GPTConfig, GPTModel, flops_per_token
+from gptmini.flops import flops_per_token, measure_matmul_flops
+from gptmini.lit_module import lr_factor
+from gptmini.model import GPTConfig, GPTModel
 from gptmini.precision import cpu_has_bf16
 from gptmini.training import build_cli, fit, keep_freed_memory
 

@@ -1,6 +1,5 @@
 """The LightningModule that trains `GPTModel`: one shared step, AdamW, warmup + cosine."""
 
-import functools
 import math
 import random
 import time
@@ -8,12 +7,12 @@ import warnings
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.checkpoint import model_config
-from gptmini.model import GPTConfig, GPTModel, flops_per_token
+from gptmini.flops import flops_per_token, peak_flops_of
+from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths, tokenizer_to_dict
 
 
@@ -417,33 +416,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def peak_flops_of(device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
-    """Peak FLOP/s of one device computing in `dtype`.
-
-    GPUs from Lightning's table, which tells an H100 SXM from a PCIe card and counts TF32
-    for float32 when matmuls may use it; a CPU by measuring its matmul rate in `dtype`, once
-    per process. None for a device neither knows.
-    """
-    if device.type == "cpu":
-        return measure_matmul_flops(dtype=dtype)
-    flops = get_available_flops(device, dtype)
-    return float(flops) if flops else None
-
-
-@functools.cache
-def measure_matmul_flops(size: int = 1024, seconds: float = 0.5,
-                         dtype: torch.dtype = torch.float32) -> float:
-    """The CPU's matmul rate in FLOP/s for `dtype`, measured over about `seconds` (cached)."""
-    gen = torch.Generator().manual_seed(0)  # leaves the global generator (dropout) alone
-    a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
-    a @ b  # warm up threads and caches
-    runs, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        runs += 1
-    return 2 * size**3 * runs / elapsed
 
 
 class StepWatch:
