@@ -1,4 +1,4 @@
-"""Multi-head attention (the book's Listing 3.5) and the kernels it can run on.
+"""Multi-head attention (the book's Listing 3.5), and the KV-cache interface it reads.
 
 Letters in the shape comments:
     b             batch size
@@ -8,42 +8,57 @@ Letters in the shape comments:
     num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
     head_dim      d_out // num_heads
 
-Masks come from gptmini.masks, written once (True means "may attend"); this module picks
-which apply (causal or full, a window, padding, documents) and hands them to one backend:
+The module projects queries, keys and values, appends keys and values to a KV cache if
+given one, and hands them to its kernel, chosen once at construction from the table in
+gptmini.kernels (sdpa, explicit, flex, tiled, or one of your own). What the call attends
+with (the positions of the new tokens and the mask, in every kernel's form) is an
+`AttentionContext` (gptmini.context): a model builds one per forward pass and passes it to
+every layer; called alone, the module builds its own from its arguments.
 
-    sdpa      F.scaled_dot_product_attention, is_causal=True whenever no other mask applies
-              (flash kernels stay eligible on GPUs), else a dense boolean mask
-    explicit  the book's scores, masked_fill_ with -inf, softmax, dropout: the reference,
-              and the only one that returns the weights
-    flex      torch.nn.attention.flex_attention, compiled, with a BlockMask: masked blocks
-              are skipped. No backward on CPU (torch 2.13), so on CPU it serves evaluation
-              and generation, not training; decoding with a KV cache runs on sdpa
-    tiled     gptmini.flash: flash attention from scratch, memory linear in the length
-
-A query with no key to attend (left padding) gets a zero output, never NaN, on every one.
-flex and tiled have no attention dropout: they refuse a dropout above 0 in training (set
-the attention's own rate to 0: GPTConfig.attn_drop_rate).
+A query with no key to attend (left padding) gets a zero output, never NaN, on every
+kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 in training
+(set the attention's own rate to 0: GPTConfig.attn_drop_rate).
 """
 
-import functools
+from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptmini import masks
-from gptmini.flash import tiled_attention
+from gptmini.context import AttentionContext
+from gptmini.kernels import KERNELS, explicit_attention, make_kernel
 
-BACKENDS = ("sdpa", "explicit", "flex", "tiled")
-COMPILE_FLEX = True
-"""Compile FlexAttention (its fast path). Tests switch it off: eager flex is the same math."""
+BACKENDS = tuple(KERNELS)
+"""The built-in kernels' names (gptmini.kernels.KERNELS holds registered ones too)."""
 
 
-class KVCache:
+class BaseKVCache(ABC):
+    """What attention needs of a KV cache: the contiguous `KVCache` and the engine's
+    paged view (gptmini.engine.paged.PagedView) both are one.
+
+    `len(cache)` counts the tokens held before this call's new ones; `update` stores the
+    new tokens' keys, values and positions and returns every key and value the call
+    attends to, (b, num_kv_heads, num_keys, head_dim); `positions` (b, num_keys) are the
+    positions of the keys it returned last (of everything it holds).
+    """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def update(self, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+    @property
+    @abstractmethod
+    def positions(self) -> Tensor | None: ...
+
+
+class KVCache(BaseKVCache):
     """Keys and values of the tokens seen so far, for one attention layer.
 
-    `keys` and `values` are (b, num_kv_heads, num_cached, head_dim); `update` appends the
-    new tokens' keys and values and returns all of them.
+    `keys` and `values` are (b, num_kv_heads, num_cached, head_dim), `positions`
+    (b, num_cached); `update` appends the new tokens' and returns all keys and values.
 
     Without autograd the tensors live in buffers that grow by doubling, so appending one
     token writes one token: concatenating instead would copy the whole cache (and fault in
@@ -52,7 +67,7 @@ class KVCache:
     """
 
     def __init__(self, keys: Tensor | None = None, values: Tensor | None = None):
-        self._keys, self._values, self._len = None, None, 0
+        self._keys, self._values, self._positions, self._len = None, None, None, 0
         if keys is not None:
             self.keys, self.values = keys, values
 
@@ -63,7 +78,7 @@ class KVCache:
 
     @keys.setter
     def keys(self, keys: Tensor | None):
-        self._keys = keys
+        self._keys, self._positions = keys, None
         self._len = 0 if keys is None else keys.shape[2]
 
     @property
@@ -74,25 +89,41 @@ class KVCache:
     def values(self, values: Tensor | None):
         self._values = values
 
+    @property
+    def positions(self) -> Tensor | None:
+        """(b, num_cached) positions of the cached tokens, or None where some token's was
+        not given (keys assigned directly, or an update without positions)."""
+        return None if self._positions is None else self._positions[:, : self._len]
+
     def __len__(self) -> int:
         return self._len
 
     def __repr__(self) -> str:
         return f"KVCache(num_cached={self._len})"
 
-    def update(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # positions are kept only while every token's is known
+        track = positions is not None and (self._len == 0 or self._positions is not None)
         if self._keys is None:
-            self.keys, self.values = keys, values
+            self._keys, self._values, self._len = keys, values, keys.shape[2]
+            self._positions = positions if track else None
             return keys, values
         if torch.is_grad_enabled() and (keys.requires_grad or self._keys.requires_grad):
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
+            self._positions = torch.cat([self.positions, positions], dim=1) if track else None
+            self._keys = torch.cat([self.keys, keys], dim=2)
+            self._values = torch.cat([self.values, values], dim=2)
+            self._len = self._keys.shape[2]
             return self.keys, self.values
         start, end = self._len, self._len + keys.shape[2]
+        if not track:
+            self._positions = None
         if end > self._keys.shape[2] or self._keys.requires_grad:
             self._grow(end)
         self._keys[:, :, start:end] = keys
         self._values[:, :, start:end] = values
+        if track:
+            self._positions[:, start:end] = positions
         self._len = end
         return self.keys, self.values
 
@@ -104,10 +135,10 @@ class KVCache:
             new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
             new[:, :, : self._len] = old[:, :, : self._len]
             setattr(self, name, new)
-
-
-def _drop_book_mask(module, state_dict, prefix, *args):
-    state_dict.pop(prefix + "mask", None)
+        if self._positions is not None:  # (b, capacity)
+            old = self._positions
+            self._positions = old.new_empty(old.shape[0], capacity)
+            self._positions[:, : self._len] = old[:, : self._len]
 
 
 class MultiHeadAttention(nn.Module):
@@ -122,8 +153,9 @@ class MultiHeadAttention(nn.Module):
             by `num_heads // num_kv_heads` query heads (1 is multi-query attention).
         window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
             (with causal=False: keys less than window_size away on either side).
-        causal: False attends both ways, as seed 002's encoder does.
-        backend: "sdpa" (default), "explicit", "flex" or "tiled" (see the module's docstring).
+        causal: False attends both ways, as a bidirectional encoder does.
+        backend: a kernel's name in gptmini.kernels: "sdpa" (default), "explicit", "flex",
+            "tiled", or one registered there. Assigning `backend` later swaps the kernel.
     """
 
     def __init__(
@@ -159,8 +191,6 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -168,9 +198,7 @@ class MultiHeadAttention(nn.Module):
         self.context_length = context_length
         self.window_size = window_size
         self.causal = causal
-        self.backend = backend
-        self.tile = 256
-        """Queries and keys per tile of the tiled backend."""
+        self.backend = backend  # builds self.kernel
 
         kv_dim = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -179,10 +207,19 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         # The book registers its triangular mask as a buffer; here masks are built per call
-        # (gptmini.masks), so they also cover caches, windows, padding and documents, and
+        # (gptmini.context), so they also cover caches, windows, padding and documents, and
         # checkpoints do not carry a context_length^2 tensor per layer. The book's state
         # dicts still load: their "mask" entry is dropped, as it is fixed by context_length.
         self.register_load_state_dict_pre_hook(_drop_book_mask)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str):
+        self.kernel = make_kernel(name)  # raises, naming the choices, for an unknown name
+        self._backend = name
 
     def forward(
         self,
@@ -190,8 +227,9 @@ class MultiHeadAttention(nn.Module):
         attention_mask: Tensor | None = None,
         *,
         document_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: BaseKVCache | None = None,
         return_weights: bool = False,
+        context: AttentionContext | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend over `x` (and the cached tokens before it).
 
@@ -204,6 +242,9 @@ class MultiHeadAttention(nn.Module):
             kv_cache: optional cache; the new keys and values are appended to it.
             return_weights: also return the attention weights, computed on the explicit
                 path (the weights the output was really computed from).
+            context: the forward pass's AttentionContext, built once by the model for
+                every layer; then attention_mask and document_ids are already in it. None:
+                built here from the arguments above.
 
         Returns:
             (b, num_tokens, d_out), and with `return_weights` the weights
@@ -211,6 +252,15 @@ class MultiHeadAttention(nn.Module):
             left-padding position) gets zero weights and a zero output, never NaN.
         """
         b, num_tokens, _ = x.shape
+        num_cached = len(kv_cache) if kv_cache is not None else 0
+        if num_cached + num_tokens > self.context_length:
+            raise ValueError(
+                f"attention got {num_cached + num_tokens} positions but context_length is "
+                f"{self.context_length}; crop the input to its last {self.context_length} "
+                "tokens"
+            )
+        context = self._check_context(context, b, num_tokens, num_cached, attention_mask,
+                                      document_ids, kv_cache is not None, x.device)
         queries = self.W_query(x)  # (b, num_tokens, d_out)
         keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
         values = self.W_value(x)
@@ -221,179 +271,53 @@ class MultiHeadAttention(nn.Module):
         values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
         if kv_cache is not None:
-            keys, values = kv_cache.update(keys, values)  # (b, num_kv_heads, num_keys, hd)
-        num_keys = keys.shape[2]
-        if num_keys > self.context_length:
-            raise ValueError(
-                f"attention got {num_keys} positions but context_length is "
-                f"{self.context_length}; crop the input to its last {self.context_length} "
-                "tokens"
-            )
-        for name, per_key in (("attention_mask", attention_mask), ("document_ids", document_ids)):
-            if per_key is not None and per_key.shape != (b, num_keys):
-                raise ValueError(
-                    f"{name} must have shape (batch, num_keys) = ({b}, {num_keys}), got "
-                    f"{tuple(per_key.shape)}; with a KV cache it covers cached tokens too"
-                )
+            # (b, num_kv_heads, num_keys, head_dim)
+            keys, values = kv_cache.update(keys, values, context.positions)
 
-        mask = self._mask(num_tokens, num_keys, attention_mask, document_ids)
-        backend = "explicit" if return_weights else self.backend
-        if backend == "flex" and kv_cache is not None:
-            backend = "sdpa"  # one block mask (and one compile) per length would not pay
         dropout_p = self.dropout.p if self.training else 0.0
-        if backend in ("flex", "tiled") and dropout_p > 0:
-            raise ValueError(
-                f"the {backend} attention backend has no attention dropout, and this module "
-                f"is training with dropout {dropout_p}: set the attention dropout to 0 "
-                "(--model.attn_drop_rate 0) or use the sdpa or explicit backend"
-            )
         weights = None
-        if backend in ("sdpa", "explicit"):
-            allowed = None if mask is None else masks.dense(mask, b, num_tokens, num_keys,
-                                                            x.device)
-            empty_rows = None
-            if allowed is not None and attention_mask is not None:
-                # A query with no allowed key (left padding) would softmax over -inf only
-                # and give NaN; let it see every key, then zero its output.
-                empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1)
-                allowed = allowed | empty_rows
-            if backend == "sdpa":
-                context_vec = self._sdpa(queries, keys, values, allowed, dropout_p,
-                                         plain_causal=self._plain_causal(mask, num_tokens,
-                                                                         num_keys))
-            else:
-                context_vec, weights = self._explicit(queries, keys, values, allowed,
-                                                      empty_rows)
+        if return_weights:
+            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
         else:
-            empty_rows = None
-            if attention_mask is not None:  # only padding can leave a query no key at all
-                has_key = masks.rows_with_keys(mask, b, num_tokens, num_keys, x.device)
-                empty_rows = ~has_key[:, None, :, None]  # (b, 1, num_tokens, 1)
-            if backend == "flex":
-                context_vec = self._flex(queries, keys, values, mask, b, num_tokens, num_keys,
-                                         attention_mask, document_ids)
-            else:
-                group = self.num_heads // self.num_kv_heads
-                context_vec = tiled_attention(queries, keys.repeat_interleave(group, dim=1),
-                                              values.repeat_interleave(group, dim=1), mask,
-                                              tile=self.tile)
+            if dropout_p > 0 and not self.kernel.has_dropout:
+                raise ValueError(
+                    f"the {self.backend} attention backend has no attention dropout, and this "
+                    f"module is training with dropout {dropout_p}: set the attention dropout "
+                    "to 0 (--model.attn_drop_rate 0) or use the sdpa or explicit backend"
+                )
+            context_vec = self.kernel(queries, keys, values, context, dropout_p)
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
         out = self.out_proj(context_vec)
+        empty_rows = context.empty_rows()  # (b, num_tokens) or None
         if empty_rows is not None:
-            out = out.masked_fill(empty_rows[:, 0], 0.0)  # (b, num_tokens, 1) broadcast
+            out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
         return (out, weights) if return_weights else out
 
-    def _mask(self, num_tokens: int, num_keys: int, attention_mask: Tensor | None,
-              document_ids: Tensor | None) -> masks.MaskMod | None:
-        """The mask of this call, or None when every query may see every key."""
-        parts = []
-        if self.causal and not (num_tokens == 1 and num_keys >= 1):
-            parts.append(masks.causal)  # a single newest query sees every earlier key anyway
-        window = self.window_size
-        if window is not None and num_keys > window:  # else no query is farther than it
-            parts.append(masks.sliding_window(window))
-        if attention_mask is not None:
-            parts.append(masks.padding(attention_mask))
-        if document_ids is not None:
-            parts.append(masks.document(document_ids))
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else masks.and_masks(*parts)
-
-    def _plain_causal(self, mask, num_tokens: int, num_keys: int) -> bool:
-        return mask is masks.causal and num_tokens == num_keys
-
-    def _sdpa(self, queries, keys, values, allowed, dropout_p, plain_causal) -> Tensor:
-        gqa = self.num_kv_heads != self.num_heads
-        if plain_causal:
-            # is_causal with no explicit mask keeps flash kernels eligible on GPUs.
-            return F.scaled_dot_product_attention(
-                queries, keys, values, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
-            )
-        return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=gqa
-        )
-
-    def _explicit(self, queries, keys, values, allowed, empty_rows) -> tuple[Tensor, Tensor]:
-        """The book's path: scores, in-place -inf fill, softmax, dropout."""
-        if self.num_kv_heads != self.num_heads:
-            # (b, num_kv_heads, num_keys, head_dim) -> (b, num_heads, num_keys, head_dim)
-            group = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        attn_scores = queries @ keys.transpose(2, 3)  # (b, num_heads, num_tokens, num_keys)
-        if allowed is not None:
-            attn_scores.masked_fill_(~allowed, -torch.inf)
-        # In float32 or wider (bf16 rounding in a softmax costs accuracy; float64 stays).
-        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1,
-                                     dtype=torch.promote_types(attn_scores.dtype, torch.float32))
-        if empty_rows is not None:
-            attn_weights = attn_weights.masked_fill(empty_rows, 0.0)
-        attn_weights = self.dropout(attn_weights)
-        return attn_weights.to(values.dtype) @ values, attn_weights
-
-    def _flex(self, queries, keys, values, mask, b, num_tokens, num_keys, attention_mask,
-              document_ids) -> Tensor:
-        if queries.requires_grad and queries.device.type == "cpu":
+    def _check_context(self, context, b, num_tokens, num_cached, attention_mask, document_ids,
+                       uses_cache, device) -> AttentionContext:
+        if context is None:
+            return AttentionContext.build(
+                b, num_tokens, num_cached, causal=self.causal, window_size=self.window_size,
+                attention_mask=attention_mask, document_ids=document_ids,
+                uses_cache=uses_cache, device=device)
+        if attention_mask is not None or document_ids is not None:
+            raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
+                             "not beside a context that already holds its masks")
+        if (context.batch, context.num_tokens, context.num_keys) != (
+                b, num_tokens, num_cached + num_tokens):
             raise ValueError(
-                "the flex attention backend has no backward pass on CPU (torch's FlexAttention "
-                "runs forward only there): evaluate or generate with flex on CPU, and train "
-                "with the sdpa, explicit or tiled backend, or on a GPU"
-            )
-        if mask is None:
-            block = None
-        elif attention_mask is None and document_ids is None:  # the same for every batch
-            block = _fixed_block_mask(self.causal, self.window_size, num_tokens, num_keys,
-                                      str(queries.device))
-        else:  # data-dependent: rebuilt per batch, once for all layers of a forward pass
-            block = _data_block_mask(mask, attention_mask, document_ids, b, num_tokens,
-                                     num_keys)
-        return _flex_attention(queries)(queries, keys, values, block_mask=block,
-                                        enable_gqa=self.num_kv_heads != self.num_heads)
+                f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
+                f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
+                f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
+        if (context.causal, context.window_size) != (self.causal, self.window_size):
+            raise ValueError(
+                f"the context was built with causal={context.causal}, window_size="
+                f"{context.window_size}, but this layer has causal={self.causal}, window_size="
+                f"{self.window_size}; build it with the layer's settings")
+        return context
 
 
-def _flex_attention(queries: Tensor):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if (not COMPILE_FLEX or torch.compiler.is_compiling()  # the outer compile covers it
-            or (queries.device.type == "cpu" and queries.dtype == torch.float64)):
-        return flex_attention  # (inductor's CPU kernel has no float64: the same math, eager)
-    return _compiled_flex()
-
-
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-@functools.lru_cache(maxsize=16)
-def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_keys: int,
-                      device: str):
-    parts = [masks.causal if causal else masks.full]
-    if window is not None:
-        parts.append(masks.sliding_window(window))
-    mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
-    return masks.block_mask(mask, None, num_tokens, num_keys, device)
-
-
-_last_data_block: tuple = ()
-
-
-def _data_block_mask(mask, attention_mask, document_ids, b, num_tokens, num_keys):
-    """Every layer of one forward pass gets the same padding and document tensors: build
-    their BlockMask once, keyed by those very tensor objects (held, so no id is reused)."""
-    global _last_data_block
-    key = (attention_mask, document_ids, b, num_tokens, num_keys)
-    if _last_data_block and all(
-        x is y if isinstance(x, Tensor) or x is None else x == y
-        for x, y in zip(_last_data_block[0], key, strict=True)
-    ):
-        return _last_data_block[1]
-    device = (attention_mask if attention_mask is not None else document_ids).device
-    block = masks.block_mask(mask, b, num_tokens, num_keys, device)
-    _last_data_block = (key, block)
-    return block
+def _drop_book_mask(module, state_dict, prefix, *args):
+    state_dict.pop(prefix + "mask", None)

@@ -38,7 +38,8 @@ __all__ = ["tiled_attention"]
 
 @torch.compiler.disable
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None, *,
-                    tile: int = 256, skip_tiles: bool = True) -> Tensor:
+                    tile: int = 256, skip_tiles: bool = True,
+                    plan: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """softmax(q kᵀ / sqrt(head_dim), masked) v, one tile of queries and keys at a time.
 
     Args:
@@ -50,17 +51,19 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None
         tile: queries and keys per tile.
         skip_tiles: skip the tiles the mask hides entirely; False computes them, masked,
             which changes nothing but the time.
+        plan: `masks.tile_plan(mask, ...)` for these shapes and this tile, if already made
+            (an AttentionContext makes it once for every layer); None: made here.
 
     Returns:
         (b, num_heads, num_tokens, head_dim); a query with no key to attend gets zeros.
     """
-    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles)
+    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles, plan)
 
 
 class _Tiles:
     """Which tiles to compute, and each tile's mask: one plan for forward and backward."""
 
-    def __init__(self, mask, batch, num_tokens, num_keys, tile, skip_tiles, device):
+    def __init__(self, mask, batch, num_tokens, num_keys, tile, skip_tiles, device, plan=None):
         self.mask, self.tile, self.first = mask, tile, num_keys - num_tokens
         self.num_tokens, self.num_keys, self.batch = num_tokens, num_keys, batch
         self.device = device
@@ -69,7 +72,7 @@ class _Tiles:
             self.some = torch.ones(shape, dtype=torch.bool)
             self.every = torch.ones(shape, dtype=torch.bool)
         else:
-            some, every = tile_plan(mask, batch, num_tokens, num_keys, tile, device)
+            some, every = plan or tile_plan(mask, batch, num_tokens, num_keys, tile, device)
             self.some, self.every = some.cpu(), every.cpu()  # read once, on the host
         if not skip_tiles:
             self.some = torch.ones_like(self.some)
@@ -95,8 +98,9 @@ class _Tiles:
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, tile, skip_tiles):
-        plan = _Tiles(mask, q.shape[0], q.shape[2], k.shape[2], tile, skip_tiles, q.device)
+    def forward(ctx, q, k, v, mask, tile, skip_tiles, known_plan):
+        plan = _Tiles(mask, q.shape[0], q.shape[2], k.shape[2], tile, skip_tiles, q.device,
+                      known_plan)
         wide = torch.promote_types(q.dtype, torch.float32)  # softmax sums in float32 or wider
         scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
@@ -156,4 +160,4 @@ class _TiledAttention(torch.autograd.Function):
                 ds = p * (dp - delta[..., rows, None])  # the softmax's Jacobian, row by row
                 dq[:, :, rows] += (ds @ k_j) * scale
                 dk[:, :, cols] += (ds.transpose(-1, -2) @ q_i) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

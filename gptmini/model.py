@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import BACKENDS, KVCache, MultiHeadAttention
+from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
+from gptmini.context import AttentionContext
+from gptmini.kernels import KERNELS
 
 # The book's configuration dictionary, field for field.
 GPT_CONFIG_124M = {
@@ -90,9 +92,9 @@ class GPTConfig:
                 "use a positive integer, or None for full causal attention",
             )
         need(
-            self.attention_backend in BACKENDS,
+            self.attention_backend in KERNELS,
             "attention_backend",
-            f"use one of {', '.join(BACKENDS)}",
+            f"use one of {', '.join(KERNELS)}",
         )
         if self.attn_drop_rate is not None:
             need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
@@ -196,13 +198,14 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: Tensor,
-        attention_mask: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        context: AttentionContext | None = None,
+        kv_cache: BaseKVCache | None = None,
         return_weights: bool = False,
-        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        att = self.att(self.norm1(x), attention_mask, document_ids=document_ids,
-                       kv_cache=kv_cache, return_weights=return_weights)
+        """x (b, num_tokens, emb_dim) through the block; `context` is the forward pass's
+        (None: the attention builds its own, causal over x)."""
+        att = self.att(self.norm1(x), context=context, kv_cache=kv_cache,
+                       return_weights=return_weights)
         weights = None
         if return_weights:
             att, weights = att
@@ -262,9 +265,10 @@ class GPTModel(nn.Module):
         reduction: str = "mean",
         loss_chunk_size: int | None = None,
         logits_to_keep: int | None = None,
-        kv_caches: list[KVCache] | None = None,
+        kv_caches: list[BaseKVCache] | None = None,
         return_weights: bool = False,
         document_ids: Tensor | None = None,
+        context: AttentionContext | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Next-token logits for every position, or the loss against `targets`.
 
@@ -287,13 +291,17 @@ class GPTModel(nn.Module):
                 5.3 GB, for 14% more time. None: all at once.
             logits_to_keep: compute the logits of the last this many positions only (the
                 head is the largest matmul of a small GPT; generation needs one position).
-            kv_caches: one `KVCache` per layer; new keys and values are appended.
+            kv_caches: one KV cache per layer (`KVCache`, or the engine's paged views); new
+                keys and values are appended.
             return_weights: also return each layer's attention weights
                 (b, n_heads, num_tokens, num_keys), from the explicit attention path.
             document_ids: (b, num_keys) the document of each token when several are packed
                 in one window: no token attends across a document's edge, and positions
                 count from each document's first token, as generation counts from a
                 prompt's (so a document looks the same wherever the window cut it).
+            context: the AttentionContext of this pass, if the caller built it (the engine
+                does, for a step); then attention_mask and document_ids are in it. None:
+                built here, once, for every layer.
 
         Returns:
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
@@ -310,20 +318,24 @@ class GPTModel(nn.Module):
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
-        if document_ids is not None:
-            positions = _positions_in_document(document_ids)[:, -num_tokens:]  # (b, num_tokens)
-        elif attention_mask is None:
-            positions = torch.arange(past, past + num_tokens, device=in_idx.device)  # (num_tokens,)
-        else:
-            # Position of each token among its row's real tokens: (b, num_keys)
-            positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-            positions = positions[:, -num_tokens:]  # the new tokens': (b, num_tokens)
-        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))  # (b, num_tokens, emb)
+        if context is None:
+            context = AttentionContext.build(
+                b, num_tokens, past, causal=True, window_size=self.cfg.window_size,
+                attention_mask=attention_mask, document_ids=document_ids,
+                uses_cache=kv_caches is not None, device=in_idx.device)
+        elif attention_mask is not None or document_ids is not None:
+            raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
+                             "not beside a context that already holds its masks")
+        positions = context.positions  # (b, num_tokens)
+        if context.rows_alike:
+            positions = positions[:1]  # one lookup broadcast over the batch, as in the book
+        # (b, num_tokens, emb_dim): each token's embedding plus its position's
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
 
         all_weights = []
         for i, block in enumerate(self.trf_blocks):
             cache = kv_caches[i] if kv_caches else None
-            x = block(x, attention_mask, cache, return_weights, document_ids)
+            x = block(x, context, cache, return_weights)
             if return_weights:
                 x, weights = x
                 all_weights.append(weights)
@@ -361,15 +373,6 @@ class GPTModel(nn.Module):
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
         return [KVCache() for _ in self.trf_blocks]
-
-
-def _positions_in_document(document_ids: Tensor) -> Tensor:
-    """(b, n): each token's position counted from the first token of its document."""
-    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # a new document begins
-    first = torch.where(starts, index, 0).cummax(dim=1).values  # (b, n) its document's start
-    return index - first
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:

@@ -36,10 +36,10 @@ def _local_only(connect):
 def _eager_flex(monkeypatch):
     """FlexAttention uncompiled (the same math, no minutes of compiling); the tests of the
     compiled kernel switch it back on."""
-    import gptmini.attention
+    import gptmini.kernels.flex
 
-    monkeypatch.setattr(gptmini.attention, "COMPILE_FLEX", False)
-    gptmini.attention._compiled_flex.cache_clear()
+    monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "0")
+    gptmini.kernels.flex._compiled_flex.cache_clear()
 
 
 @pytest.fixture(autouse=True)

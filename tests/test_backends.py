@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gptmini.attention as attention
+import gptmini.kernels.flex as flex_kernel
 from gptmini.attention import KVCache, MultiHeadAttention
+from gptmini.context import AttentionContext
 from gptmini.flash import tiled_attention
 from gptmini.model import GPTConfig, GPTModel
 
@@ -25,7 +27,8 @@ def make(backend, *, causal=True, window=None, kv_heads=None, seed=0, dropout=0.
     torch.manual_seed(seed)
     mha = MultiHeadAttention(D_IN, 16, 64, dropout, num_heads=4, num_kv_heads=kv_heads,
                              window_size=window, causal=causal, backend=backend)
-    mha.tile = 4  # many tiles, some partial, on these short inputs
+    if backend == "tiled":
+        mha.kernel.tile = 4  # many tiles, some partial, on these short inputs
     return mha
 
 
@@ -101,7 +104,8 @@ def test_every_backend_equals_the_loop_oracle(data, n, window, causal, tile):
                for backend in attention.BACKENDS]
     for mha in modules[1:]:
         mha.load_state_dict(modules[0].state_dict())
-        mha.tile = tile
+        if mha.backend == "tiled":
+            mha.kernel.tile = tile
     mask = oracle.allowed(b, n, n, causal=causal, window=window, real=real.tolist(),
                           documents=doc.tolist())
     expected, _ = oracle.multi_head_attention(modules[0], x, mask)
@@ -117,8 +121,9 @@ def test_skipping_tiles_changes_nothing_but_the_time(mask):
     options, pad, doc = MASKS[mask]
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 4, N, 8, requires_grad=True) for _ in range(3))
-    mha = make("tiled", **options)
-    allowed = mha._mask(N, N, None if pad is None else pad(), None if doc is None else doc())
+    allowed = AttentionContext.build(B, N, window_size=options.get("window"),
+                                     attention_mask=None if pad is None else pad(),
+                                     document_ids=None if doc is None else doc()).mask
     outs = [tiled_attention(q, k, v, allowed, tile=4, skip_tiles=skip) for skip in (True, False)]
     assert torch.equal(outs[0], outs[1])
     grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in outs]
@@ -177,8 +182,8 @@ def test_compiled_flex_equals_explicit_and_new_documents_do_not_recompile(monkey
     """FlexAttention compiled, on three fixed shapes; a second batch of other document ids
     and paddings reuses the compiled kernel."""
     torch._dynamo.reset()
-    monkeypatch.setattr(attention, "COMPILE_FLEX", True)
-    attention._compiled_flex.cache_clear()
+    monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "1")
+    flex_kernel._compiled_flex.cache_clear()
     compiles = []
     for mask in COMPILED_SHAPES:
         options, pad, doc = MASKS[mask]

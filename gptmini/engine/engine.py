@@ -19,7 +19,8 @@ queue, and when readmitted its prompt and tokens so far are computed again (the 
 blocks make that cheap). Its generator is kept, so its text is the same as if it had never
 been preempted.
 
-Positions are each request's own (the padding path of `GPTModel.forward`). A request that
+Positions are each request's own (the step's attention context counts them from each row's
+first real token, as `GPTModel.forward` does for padding). A request that
 outgrows `context_length` slides exactly as `generate()` does: from then on each token
 recomputes the last `context_length` tokens. Unlike `generate()`, which crops a prompt
 that is too long, the engine refuses it: silently dropping the start of a prompt is not
@@ -36,6 +37,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from gptmini.context import AttentionContext
 from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.paged import KVPool
 from gptmini.engine.request import Detokenizer, Request, SamplingParams
@@ -240,7 +242,9 @@ class Engine:
         read = torch.tensor([self.pool.slots(request.table, 0, end)], device=self.device)
         write = read[:, begin:]
         ids = torch.tensor([tokens[begin:]], device=self.device)
-        logits = self.model(ids, kv_caches=self.pool.views(read, write), logits_to_keep=1)
+        context = self._context(1, end - begin, begin)
+        logits = self.model(ids, kv_caches=self.pool.views(read, write), context=context,
+                            logits_to_keep=1)
         request.num_cached = end
         self.num_prefilled += end - begin
         self._name_full_blocks(request, tokens)
@@ -259,13 +263,22 @@ class Engine:
             ids.append(request.all_tokens[-1:])
         read, write = (torch.tensor(x, device=self.device) for x in (read, write))
         mask, ids = (torch.tensor(x, device=self.device) for x in (mask, ids))
-        logits = self.model(ids, mask, kv_caches=self.pool.views(read, write),
+        context = self._context(len(batch), 1, longest - 1, attention_mask=mask)
+        logits = self.model(ids, kv_caches=self.pool.views(read, write), context=context,
                             logits_to_keep=1)
         for request in batch:
             request.num_cached += 1
             self._name_full_blocks(request, request.all_tokens[request.start:])
             self._drop_blocks_behind_window(request)
         return logits[:, -1].float()
+
+    def _context(self, batch: int, num_tokens: int, num_cached: int,
+                 attention_mask: Tensor | None = None) -> AttentionContext:
+        """The step's attention context: built once, read by every layer."""
+        return AttentionContext.build(batch, num_tokens, num_cached, causal=True,
+                                      window_size=self.model.cfg.window_size,
+                                      attention_mask=attention_mask, uses_cache=True,
+                                      device=self.device)
 
     def _drop_blocks_behind_window(self, request: Request) -> None:
         """With a sliding window, the next query (position num_cached) sees keys from
