@@ -14,15 +14,16 @@ from torch import nn
 
 from gptmini.checkpoint import load_checkpoint
 from gptmini.engine import Engine
-from gptmini.generation import _check_sampling, stream_text
+from gptmini.generation import stream_text
 from gptmini.plots import (
-    _check_index,
-    _require_matplotlib,
     attention_weights,
+    _check_index,
     plot_attention,
     plot_curves,
+    _require_matplotlib,
 )
 from gptmini.precision import AUTO, auto_dtype
+from gptmini.sampling import SamplingParams
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -81,9 +82,10 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
     try:
-        _check_sampling(args.temperature, top_k, args.top_p)
-        if args.max_new_tokens < 0 or args.num_samples < 1:
-            raise ValueError("--max_new_tokens must be >= 0 and --num_samples >= 1")
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=top_k, top_p=args.top_p)  # checks them
+        if args.num_samples < 1:
+            raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
         device = _resolve_device(args.device)
         if args.prompt_file is not None:
             if not args.prompt_file.is_file():

@@ -18,13 +18,13 @@ generates what its prompt generates alone.
 
 """
 
-import codecs
-import math
 import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from gptmini.sampling import Detokenizer, SamplingParams, sample, sample_next_token
 
 __all__ = [
     "generate",
@@ -33,75 +33,6 @@ __all__ = [
     "sample_next_token",
     "stream_text",
 ]
-
-
-def sample_next_token(
-    logits: Tensor,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Pick the next token from the last position's logits.
-
-    Temperature 0 is greedy (argmax) and draws no random numbers. Otherwise the logits are
-    divided by `temperature`, filtered by top-k then top-p (nucleus), and one token is drawn.
-
-    Args:
-        logits: (b, vocab_size) logits of the last position.
-        temperature: 0 for greedy, > 0 to sample (below 1 sharpens, above 1 flattens).
-        top_k: keep only the k most likely tokens (ties with the k-th are kept, as in the
-            book).
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
-        generator: random source for the draw; None uses torch's global generator.
-
-    Returns:
-        (b,) token ids.
-    """
-    _check_sampling(temperature, top_k, top_p)
-    logits = logits.float()  # probabilities in float32, whatever the model computed in
-    if top_k is not None:
-        k = min(top_k, logits.shape[-1])
-        min_val = torch.topk(logits, k, dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < min_val, -torch.inf)
-    if temperature == 0.0:
-        return torch.argmax(logits, dim=-1)
-    logits = logits / temperature
-    if top_p is not None and top_p < 1.0:
-        logits = _top_p_filter(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-
-def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # A token is dropped when the tokens ranked above it already hold top_p of the mass,
-    # so the most likely token always survives.
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
-        temperature < 0
-    ):
-        raise ValueError(
-            f"temperature must be a finite number >= 0, got {temperature!r}; use 0 for "
-            "greedy decoding or a positive value such as 0.8 to sample"
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(
-            f"top_k must be an integer >= 1, got {top_k!r}; use e.g. 50 to sample among the "
-            "50 most likely tokens, or None to turn top-k off"
-        )
-    if top_p is not None and not (isinstance(top_p, int | float) and 0.0 < top_p <= 1.0):
-        raise ValueError(
-            f"top_p must be in (0, 1], got {top_p!r}; use e.g. 0.9 to sample from the "
-            "smallest set of tokens holding 90% of the probability, or None to turn it off"
-        )
 
 
 def left_pad(
@@ -212,17 +143,14 @@ def generate_stream(
     Yields:
         (b * num_samples,) token ids, one tensor per step.
     """
-    _check_sampling(temperature, top_k, top_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-        max_new_tokens < 0
-    ):
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed)
     if generator is not None and seed is not None:
         raise ValueError("pass either seed or generator, not both; a seed makes a new generator")
     idx, mask = _prepare(idx, attention_mask, num_samples)
     context_size = _context_size(model, context_size)
     if seed is not None:
-        generator = torch.Generator(device=idx.device).manual_seed(seed)
+        generator = params.generator(idx.device)
     if getattr(model, "training", False):
         warnings.warn(
             "generating with a model in training mode: dropout makes outputs random and the "
@@ -230,21 +158,18 @@ def generate_stream(
             stacklevel=2,
         )
 
-    return _stream(model, idx, mask, max_new_tokens, context_size, temperature, top_k, top_p,
-                   eos_id, generator, use_cache)
+    return _stream(model, idx, mask, params, context_size, eos_id, generator, use_cache)
 
 
 @torch.inference_mode()
-def _stream(
-    model, idx, mask, max_new_tokens, context_size, temperature, top_k, top_p, eos_id,
-    generator, use_cache,
-) -> Iterator[Tensor]:
+def _stream(model, idx, mask, params, context_size, eos_id, generator,
+            use_cache) -> Iterator[Tensor]:
     # Separate from generate_stream so that bad arguments raise at the call, not at the
     # first next().
     b = idx.shape[0]
     finished = torch.zeros(b, dtype=torch.bool, device=idx.device)
     caches = None
-    for _ in range(max_new_tokens):
+    for _ in range(params.max_new_tokens):
         if use_cache and caches is not None and idx.shape[1] <= context_size:
             # The cache holds every token but the newest: feed just that one.
             logits = _last_logits(model, idx[:, -1:], mask, caches)
@@ -254,9 +179,7 @@ def _stream(
             mask_cond = None if mask is None else mask[:, -context_size:]
             caches = model.new_kv_caches() if use_cache else None
             logits = _last_logits(model, idx_cond, mask_cond, caches)
-        next_ids = sample_next_token(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )  # (b,)
+        next_ids = sample(logits, params, generator)  # (b,)
         if eos_id is not None:
             next_ids = next_ids.masked_fill(finished, eos_id)
             finished = finished | (next_ids == eos_id)
@@ -373,14 +296,15 @@ def stream_text(
     ids = tokenizer.encode(prompt, allowed_special={"<|endoftext|>"}) or [eot]
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text, sent = Detokenizer(tokenizer), 0
     for next_ids in generate_stream(
         model, idx, max_new_tokens, None, temperature, top_k, eot if stop_at_eos else None,
         top_p=top_p, generator=generator, seed=seed, use_cache=use_cache,
     ):
-        piece = decoder.decode(tokenizer.decode_single_token_bytes(int(next_ids[0])))
-        if piece:
-            yield piece
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        yield tail
+        text.add(int(next_ids[0]))
+        if len(text.text) > sent:
+            yield text.text[sent:]
+            sent = len(text.text)
+    text.finish()
+    if len(text.text) > sent:
+        yield text.text[sent:]

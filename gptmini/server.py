@@ -24,7 +24,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gptmini.engine import Engine, Request, SamplingParams
+from gptmini.engine import Engine, Request
+from gptmini.sampling import SamplingParams
 
 NEUTRAL = {"logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
            "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
@@ -268,20 +269,18 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
             prompt_tokens += len(ids)
             for i in range(settings["n"]):
                 seed = None if settings["seed"] is None else choice_seed(settings["seed"], i)
-                params = SamplingParams(
-                    max_new_tokens=settings["max_new_tokens"],
-                    temperature=settings["temperature"], top_k=settings["top_k"],
-                    top_p=settings["top_p"], seed=seed, stop_ids=(enc.eot_token,),
-                    stop=settings["stop"])
                 try:
+                    params = SamplingParams(
+                        max_new_tokens=settings["max_new_tokens"],
+                        temperature=settings["temperature"], top_k=settings["top_k"],
+                        top_p=settings["top_p"], seed=seed, stop_ids=(enc.eot_token,),
+                        stop=settings["stop"])
                     requests.append(loop.add(ids or [enc.eot_token], params))
                 except (ValueError, TypeError) as err:
                     for r in requests:
                         engine.cancel(r)
-                    # parse() checked max_tokens; the engine checks the sampling values
-                    param = next((f for f in ("temperature", "top_p", "top_k")
-                                  if f in str(err)), "prompt")
-                    raise APIError(400, str(err), param) from None
+                    # the settings name their field; the engine's other refusals are the prompt's
+                    raise APIError(400, str(err), getattr(err, "field", "prompt")) from None
         return Job(requests, prompt_tokens, settings["stop"])
 
     async def wait(job: Job, request: HTTPRequest) -> None:

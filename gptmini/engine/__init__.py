@@ -12,7 +12,8 @@ them to the model as ordinary caches.
 from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.engine import Engine
 from gptmini.engine.paged import KVPool, PagedView
-from gptmini.engine.request import Detokenizer, Request, SamplingParams
+from gptmini.engine.request import Request
+from gptmini.sampling import Detokenizer, SamplingParams
 
 __all__ = ["BlockAllocator", "Detokenizer", "Engine", "KVPool", "PagedView", "Request",
            "SamplingParams", "block_hash"]

@@ -10,8 +10,9 @@ that come and go:
 3. *decode*: one forward pass over the newest token of every other running request, each
    attending to its own blocks, so a short request leaves the batch as soon as it ends
    and a new one takes its place at the next step;
-4. sample each request's next token with its own random generator, and finish requests
-   that drew a stop token, wrote a stop string or reached max_new_tokens.
+4. sample every request's next token in one call, each with its own settings and random
+   generator, and finish requests that drew a stop token, wrote a stop string or reached
+   max_new_tokens.
 
 When a decode step needs a block and none is free, the youngest running request is
 *preempted*: its blocks go back (named ones stay cached), it waits at the front of the
@@ -40,8 +41,8 @@ from torch import Tensor, nn
 from gptmini.context import AttentionContext
 from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.paged import KVPool
-from gptmini.engine.request import Detokenizer, Request, SamplingParams
-from gptmini.generation import sample_next_token
+from gptmini.engine.request import Request
+from gptmini.sampling import Detokenizer, SamplingParams, sample
 
 
 class Engine:
@@ -91,8 +92,7 @@ class Engine:
                 vocabulary, invalid sampling settings, stop strings without a tokenizer,
                 or a request the pool could never hold.
         """
-        params = params or SamplingParams(**settings)
-        params.check()
+        params = params or SamplingParams(**settings)  # checks itself
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty; start it with <|endoftext|> "
@@ -117,8 +117,7 @@ class Engine:
         request = Request(next(self._ids), prompt, params)
         if self.tokenizer is not None:
             request.detokenizer = Detokenizer(self.tokenizer, params.stop)
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request.generator = params.generator(self.device)
         if params.max_new_tokens == 0:
             self._finish(request, "length")
             return request
@@ -167,13 +166,16 @@ class Engine:
         fresh = self._admit()
         decoding = [r for r in self.running if r not in fresh]
         decoding = self._reserve(decoding)
-        for request in fresh:
-            if request in self.running:  # not preempted by an older request's growth
-                self._sample(request, self._prefill(request))
+        rows = [r for r in fresh if r in self.running]  # not preempted by an older one
+        logits = [self._prefill(request) for request in rows]
         if decoding:
-            logits = self._decode(decoding)  # (b, vocab_size)
-            for i, request in enumerate(decoding):
-                self._sample(request, logits[i:i + 1])
+            rows += decoding
+            logits.append(self._decode(decoding))  # (b, vocab_size)
+        if rows:  # one call samples the step, each row with its settings and generator
+            tokens = sample(torch.cat(logits), [r.params for r in rows],
+                            [r.generator for r in rows])
+            for request, token in zip(rows, tokens.tolist(), strict=True):
+                self._accept(request, token)
 
     def _admit(self) -> list[Request]:
         admitted = []
@@ -307,10 +309,8 @@ class Engine:
 
     # --- tokens out -----------------------------------------------------------------
 
-    def _sample(self, request: Request, logits: Tensor) -> None:
+    def _accept(self, request: Request, token: int) -> None:
         p = request.params
-        token = int(sample_next_token(logits, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, generator=request.generator)[0])
         if token in p.stop_ids:
             self._finish(request, "stop")
             return
