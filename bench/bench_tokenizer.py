@@ -22,15 +22,15 @@ from machine import cpu_description
 
 from gptmini.data import resolve_source
 from gptmini.data.documents import load_documents
-from gptmini.data.tokens import _is_val
+from gptmini.data.tokens import is_validation
 from gptmini.data.vocab import fit_tokenizer
 from gptmini.tokenizer import GPT2_PATTERN, from_hf_tokenizer, train_bpe
 
 
 def split_texts(val_fraction: float = 0.05) -> tuple[list[str], list[str]]:
     docs = load_documents(resolve_source(None))["text"]
-    train = [t for i, t in enumerate(docs) if not _is_val(i, val_fraction)]
-    val = [t for i, t in enumerate(docs) if _is_val(i, val_fraction)]
+    train = [t for i, t in enumerate(docs) if not is_validation(i, val_fraction)]
+    val = [t for i, t in enumerate(docs) if is_validation(i, val_fraction)]
     return train, val
 
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.lit_module import GPTLitModule, StepWatch, rng_states, set_rng_states
-from gptmini.plots import _require_matplotlib, attention_weights, plot_attention
+from gptmini.plots import attention_weights, plot_attention, require_matplotlib
 
 
 class EveryNSteps(Callback):
@@ -281,7 +281,7 @@ class AttentionMapCallback(EveryNSteps):
         if self._disabled or not trainer.is_global_zero:
             return
         try:
-            _require_matplotlib()
+            require_matplotlib()
         except ImportError as err:
             return self._disable(str(err))
         from gptmini.tokenizer import get_tokenizer

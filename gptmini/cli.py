@@ -17,10 +17,10 @@ from gptmini.engine import Engine
 from gptmini.generation import stream_text
 from gptmini.plots import (
     attention_weights,
-    _check_index,
+    check_index,
     plot_attention,
     plot_curves,
-    _require_matplotlib,
+    require_matplotlib,
 )
 from gptmini.precision import AUTO, auto_dtype
 from gptmini.sampling import SamplingParams
@@ -268,12 +268,12 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, Encoding]:
 
 
 def _attention_command(args: argparse.Namespace) -> str:
-    _require_matplotlib()  # before loading a model that cannot be drawn
+    require_matplotlib()  # before loading a model that cannot be drawn
     model, tokenizer = _load_model(args)
     head = None if args.all_heads else args.head
     if head is not None:
-        _check_index("head", head, model.cfg.n_heads, "heads per layer")
-    layer = _check_index("layer", args.layer, model.cfg.n_layers, "layers")
+        check_index("head", head, model.cfg.n_heads, "heads per layer")
+    layer = check_index("layer", args.layer, model.cfg.n_layers, "layers")
     weights, labels = attention_weights(
         model, tokenizer, args.prompt, layer, left_pad=args.left_pad
     )

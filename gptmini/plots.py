@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = [
     "attention_figure",
     "attention_weights",
+    "check_index",
+    "require_matplotlib",
     "load_metrics",
     "plot_attention",
     "plot_curves",
@@ -45,7 +47,8 @@ PAD_LABEL = "<pad>"
 _VISIBLE_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
 
 
-def _require_matplotlib():
+def require_matplotlib():
+    """matplotlib, or an ImportError that says how to install it."""
     try:
         import matplotlib
     except ImportError:
@@ -58,7 +61,7 @@ def _require_matplotlib():
 # --- attention -------------------------------------------------------------------------
 
 
-def _check_index(name: str, index: int, count: int, what: str) -> int:
+def check_index(name: str, index: int, count: int, what: str) -> int:
     """`index` as a non-negative index into `count` items (negative counts from the end)."""
     if not -count <= index < count:
         raise ValueError(
@@ -111,7 +114,7 @@ def attention_weights(
             context_length.
     """
     cfg = model.cfg
-    layer = _check_index("layer", layer, cfg.n_layers, "layers")
+    layer = check_index("layer", layer, cfg.n_layers, "layers")
     if left_pad < 0:
         raise ValueError(f"left_pad must be 0 or more, got {left_pad}")
     ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
@@ -167,7 +170,7 @@ def attention_figure(
         ValueError: `head` is out of range or the shapes do not match.
         ImportError: matplotlib is not installed.
     """
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     if weights.dim() != 3 or weights.shape[1] != weights.shape[2]:
@@ -179,7 +182,7 @@ def attention_figure(
         raise ValueError(f"got {len(labels)} labels for {num_tokens} tokens")
     heads = list(range(n_heads))
     if head is not None:
-        heads = [_check_index("head", head, n_heads, "heads per layer")]
+        heads = [check_index("head", head, n_heads, "heads per layer")]
     ncols = math.ceil(math.sqrt(len(heads)))
     nrows = math.ceil(len(heads) / ncols)
     if figsize is None:
@@ -336,7 +339,7 @@ def plot_curves(
         ValueError: the metrics hold no loss to plot.
         ImportError: matplotlib is not installed.
     """
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     metrics, resumes = load_metrics(run_dir)

@@ -75,7 +75,7 @@ class CorpusSpec:
             hub = {"name": self.hub_name, "config": self.hub_config, "split": self.hub_split,
                    "revision": self.hub_revision}
             return {"hub": hub, **common}
-        if all(_builder(f) == "text" for f in self.files):
+        if all(reader_of(f) == "text" for f in self.files):
             common["text_field"] = None  # text files have no fields: do not re-tokenize for it
         stats = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in self.files]
         return {"files": stats, **common}
@@ -118,7 +118,7 @@ def resolve_source(
     text = os.fspath(source)
     path = Path(text).expanduser()
     if path.is_file():
-        _builder(path)  # fail early on an unsupported extension
+        reader_of(path)  # fail early on an unsupported extension
         return CorpusSpec(_slug(path.name), (path.resolve(),), description=text, **options)
     if path.is_dir():
         return CorpusSpec(_slug(path.name), _corpus_files_in(path), description=text, **options)
@@ -131,7 +131,7 @@ def resolve_source(
                 "shell does not expand it) or pass a file or directory instead"
             )
         for f in files:
-            _builder(f)
+            reader_of(f)
         return CorpusSpec(_slug(text), files, description=text, **options)
     if _HUB_NAME.match(text) and not _has_corpus_suffix(path):
         return CorpusSpec(
@@ -167,7 +167,7 @@ def _has_corpus_suffix(path: Path) -> bool:
     return _format_of(path) is not None
 
 
-def _builder(path: Path) -> str:
+def reader_of(path: Path) -> str:
     """The `datasets` builder that reads `path`: "text", "json" or "parquet"."""
     builder = _format_of(path)
     if builder is None:

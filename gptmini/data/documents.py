@@ -17,8 +17,8 @@ from typing import IO, Any
 from gptmini.data.corpus import (
     COMPRESSION_SUFFIXES,
     CorpusSpec,
-    _builder,
     default_cache_dir,
+    reader_of,
 )
 
 _log = logging.getLogger("gptmini.data")
@@ -62,9 +62,9 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
     hf_cache = str(Path(cache_dir or default_cache_dir()) / "hf")
     groups: dict[str, list[str]] = {}
     for f in spec.files:
-        groups.setdefault(_builder(f), []).append(str(f))
+        groups.setdefault(reader_of(f), []).append(str(f))
     parts = []
-    with _explain_read_errors(spec):
+    with explain_read_errors(spec):
         for builder, files in groups.items():
             kwargs: dict[str, Any] = {}
             errors = None if spec.encoding_errors == "strict" else spec.encoding_errors
@@ -184,7 +184,7 @@ def missing_text(
 def _record_place(files: list[Path], index: int) -> str:
     """Where record `index` of `files` (read in order) is: "data.jsonl line 12"."""
     for path in files:
-        if path.suffix.lower() in COMPRESSION_SUFFIXES or _builder(path) == "parquet":
+        if path.suffix.lower() in COMPRESSION_SUFFIXES or reader_of(path) == "parquet":
             count = None  # counting would mean decoding the file; say the record number
         elif path.suffix.lower() == ".json":
             with open(path, "rb") as f:
@@ -202,7 +202,7 @@ def _record_place(files: list[Path], index: int) -> str:
 
 
 @contextmanager
-def _explain_read_errors(spec: CorpusSpec) -> Iterator[None]:
+def explain_read_errors(spec: CorpusSpec) -> Iterator[None]:
     """Turn errors from deep inside datasets into ones that name the file, line and fix.
 
     Bytes that are not UTF-8 (and whole files in UTF-16/32), compressed files that do not
@@ -264,7 +264,7 @@ def _first_undecompressable(files: Sequence[Path]) -> tuple[Path, str] | None:
 def _first_bad_json_line(files: Sequence[Path]) -> tuple[Path, int, str] | None:
     """The first line of a json-lines file that does not parse, if any."""
     for path in files:
-        if _builder(path) != "json" or path.suffix.lower() == ".json":
+        if reader_of(path) != "json" or path.suffix.lower() == ".json":
             continue
         with _open_binary(path) as f:
             for number, line in enumerate(f, start=1):
@@ -321,7 +321,7 @@ def _open_binary(path: Path) -> IO[bytes]:
 def _first_undecodable(files: Sequence[Path]) -> tuple[Path, int, int] | None:
     """The first (file, byte offset, byte) that is not UTF-8, reading in 1 MiB chunks."""
     for path in files:
-        if _builder(path) == "parquet":
+        if reader_of(path) == "parquet":
             continue  # Arrow has validated parquet strings already
         decoder = codecs.getincrementaldecoder("utf-8")()
         offset = 0  # file offset of the next chunk

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from gptmini.data.corpus import CorpusSpec, resolve_source
 from gptmini.data.tokens import TokenCache, tokenize_corpus
 from gptmini.data.vocab import fit_tokenizer
-from gptmini.data.windows import ResumableSampler, SlidingWindowDataset, _check_positive
+from gptmini.data.windows import ResumableSampler, SlidingWindowDataset, check_positive
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -96,7 +96,7 @@ class GPTDataModule(L.LightningDataModule):
         document_mask: bool = False,
     ):
         super().__init__()
-        _check_positive(
+        check_positive(
             max_length=max_length,
             stride=stride,
             batch_size=batch_size,

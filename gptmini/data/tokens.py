@@ -14,7 +14,7 @@ import numpy as np
 from tiktoken import Encoding
 
 from gptmini.data.corpus import CorpusSpec, default_cache_dir, pin_revision
-from gptmini.data.documents import _explain_read_errors, load_documents, missing_text
+from gptmini.data.documents import explain_read_errors, load_documents, missing_text
 from gptmini.tokenizer import GPT2_PATTERN, get_tokenizer, split_pattern, tokenizer_fingerprint
 
 CACHE_VERSION = 2  # 2: keyed on the tokenizer's content and a hub dataset's commit
@@ -52,7 +52,9 @@ class TokenCache:
         return np.memmap(self.path(split), dtype=dtype, mode="r")
 
 
-def _is_val(index: int, val_fraction: float) -> bool:
+def is_validation(index: int, val_fraction: float) -> bool:
+    """Whether document `index` belongs to the validation split (the split every reader of
+    a corpus uses: the token cache, the vocabulary fitter, the benchmarks)."""
     # Every (1 / val_fraction)-th document goes to validation: evenly spread, independent of
     # the corpus length, so the same rule serves streamed corpora of unknown size.
     return int((index + 1) * val_fraction) > int(index * val_fraction)
@@ -105,7 +107,7 @@ def _encode_batch(
 ) -> dict[str, list]:
     # One thread per process: num_proc alone says how many cores tokenizing takes.
     ids = _encode_documents(batch["text"], tokenizer, dtype, num_threads=1)
-    return {"ids": ids, "val": [_is_val(i, val_fraction) for i in indices]}
+    return {"ids": ids, "val": [is_validation(i, val_fraction) for i in indices]}
 
 
 def _write_docs(flat: np.ndarray, lengths: np.ndarray, val: np.ndarray, train_f, val_f) -> None:
@@ -190,7 +192,7 @@ def tokenize_corpus(
         with (
             open(tmp / "train.bin", "wb") as train_f,
             open(tmp / "val.bin", "wb") as val_f,
-            _explain_read_errors(spec),
+            explain_read_errors(spec),
         ):
             args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
             if spec.streaming:
@@ -258,7 +260,7 @@ def _tokenize_stream(docs, spec: CorpusSpec, args: dict, num_threads: int, train
             missing += len(nulls)
             first_missing = index + nulls[0] if first_missing is None else first_missing
         arrays = _encode_documents(batch["text"], args["tokenizer"], args["dtype"], num_threads)
-        val = np.array([_is_val(index + i, args["val_fraction"]) for i in range(len(arrays))])
+        val = np.array([is_validation(index + i, args["val_fraction"]) for i in range(len(arrays))])
         index += len(arrays)
         lengths = np.array([len(a) for a in arrays])
         _write_docs(np.concatenate(arrays), lengths, val, train_f, val_f)

@@ -10,8 +10,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from gptmini.data.corpus import CorpusSpec, default_cache_dir, pin_revision
-from gptmini.data.documents import _explain_read_errors, load_documents
-from gptmini.data.tokens import _is_val
+from gptmini.data.documents import explain_read_errors, load_documents
+from gptmini.data.tokens import is_validation
 from gptmini.tokenizer import GPT2_PATTERN, save_tokenizer, train_bpe
 
 MAX_FIT_BYTES = 100 * 2**20
@@ -62,7 +62,7 @@ def fit_tokenizer(
         _log.info(f"cache hit: the bpe:{vocab_size} vocabulary of {spec.description} is {path}")
         return path
     start = time.perf_counter()
-    with _explain_read_errors(spec):
+    with explain_read_errors(spec):
         texts = list(training_texts(spec, root, val_fraction, max_bytes))
     enc = train_bpe(texts, vocab_size)
     save_tokenizer(enc, path)
@@ -78,7 +78,7 @@ def training_texts(spec: CorpusSpec, cache_dir: Path, val_fraction: float,
     kept, total, index, any_val = [], 0, 0, False
     for batch in docs.iter(batch_size=256):
         for text in batch["text"]:
-            val, index = _is_val(index, val_fraction), index + 1
+            val, index = is_validation(index, val_fraction), index + 1
             any_val |= val
             if val or not text:
                 continue

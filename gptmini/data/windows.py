@@ -39,7 +39,7 @@ class SlidingWindowDataset(Dataset):
         self, tokens: np.ndarray | torch.Tensor | Sequence[int], max_length: int, stride: int,
         document_token: int | None = None,
     ):
-        _check_positive(max_length=max_length, stride=stride)
+        check_positive(max_length=max_length, stride=stride)
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu().numpy()
         elif not isinstance(tokens, np.ndarray):
@@ -89,7 +89,8 @@ class SlidingWindowDataset(Dataset):
         self.__dict__.update(state)
 
 
-def _check_positive(**values: int | None) -> None:
+def check_positive(**values: int | None) -> None:
+    """Raise ValueError naming the first of `values` that is not a positive integer."""
     for name, value in values.items():
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 1
@@ -116,7 +117,7 @@ def create_dataloader(
     Raises:
         ValueError: the text has fewer than max_length + 1 tokens; an argument below 1.
     """
-    _check_positive(batch_size=batch_size, max_length=max_length, stride=stride)
+    check_positive(batch_size=batch_size, max_length=max_length, stride=stride)
     ids = get_tokenizer(tokenizer).encode(text, allowed_special={END_OF_TEXT})
     if len(ids) < max_length + 1:
         raise ValueError(
