@@ -194,9 +194,8 @@ class SampleCallback(EveryNSteps):
 
 def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
     from gptmini.generation import generate
-    from gptmini.tokenizer import get_tokenizer
 
-    tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
+    tokenizer = pl_module.tokenizer
     model = pl_module.model
     ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
     idx = torch.tensor([ids], device=pl_module.device)
@@ -284,11 +283,8 @@ class AttentionMapCallback(EveryNSteps):
             require_matplotlib()
         except ImportError as err:
             return self._disable(str(err))
-        from gptmini.tokenizer import get_tokenizer
-
         cfg = pl_module.model.cfg
-        num_tokens = len(get_tokenizer(pl_module.hparams.tokenizer).encode(
-            self.prompt, allowed_special="all") or [0])
+        num_tokens = len(pl_module.tokenizer.encode(self.prompt, allowed_special="all") or [0])
         if num_tokens > cfg.context_length:
             return self._disable(
                 f"the prompt is {num_tokens} tokens, longer than context_length "
@@ -310,9 +306,7 @@ class AttentionMapCallback(EveryNSteps):
 
     def draw(self, trainer: Trainer, pl_module: LightningModule, step: int) -> Path:
         """Compute and write the map of `step`; returns the PNG's path."""
-        from gptmini.tokenizer import get_tokenizer
-
-        tokenizer = get_tokenizer(pl_module.hparams.tokenizer)
+        tokenizer = pl_module.tokenizer
         model = pl_module.model
         layer = self.layer % model.cfg.n_layers
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []

@@ -1,12 +1,14 @@
-"""From a path to a model: a gptmini checkpoint or a Hugging Face GPT-2 directory.
+"""The checkpoint format, written and read here only; and from a path to a model.
 
 `load_checkpoint` is the one way generate.py, visualize.py and the export read a model. A
-gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict):
+gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict),
+with the entries `write_model_entries` adds at every save:
 
     {"state_dict": {"model.<GPTModel key>": tensor, ...},
      "hyper_parameters": {"tokenizer": "gpt2", <GPTConfig fields>, <training settings>},
      "model_config": {<every GPTConfig field>},  # since padded_vocab_size; older ones lack it
      "tokenizer": {"format": ..., "name": ..., <tokens, unless GPT-2's>},  # older: gpt2
+     "precision": "bf16-mixed",  # what a resume's --trainer.precision auto keeps
      ...Lightning's own keys (epoch, global_step, optimizer_states, loops, callbacks)...}
 
 It is always read with `torch.load(weights_only=True)`: tensors, numbers, strings and
@@ -26,7 +28,13 @@ import torch
 
 from gptmini.convert import load_hf
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.tokenizer import from_hf_tokenizer, get_tokenizer, tokenizer_from_dict
+from gptmini.tokenizer import (
+    FORMAT,
+    from_hf_tokenizer,
+    get_tokenizer,
+    tokenizer_from_dict,
+    tokenizer_to_dict,
+)
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -35,6 +43,9 @@ __all__ = [
     "check_readable",
     "load_checkpoint",
     "model_config",
+    "read_checkpoint",
+    "tokenizer_entry",
+    "write_model_entries",
 ]
 
 CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
@@ -85,7 +96,7 @@ def load_checkpoint(
         hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
         return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
-    ckpt = _safe_load(path, map_location)
+    ckpt = read_checkpoint(path, map_location)
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if not isinstance(hparams, dict) or not isinstance(state, dict):
@@ -101,10 +112,7 @@ def load_checkpoint(
             f"(first keys: {sorted(state)[:5]})"
         )
     try:
-        # Checkpoints hold their vocabulary; older ones only its name, and GPT-2's at first.
-        saved = ckpt.get("tokenizer")
-        tokenizer = (tokenizer_from_dict(saved, f"{path}'s tokenizer") if saved is not None
-                     else get_tokenizer(str(hparams.get("tokenizer", "gpt2"))))
+        tokenizer = tokenizer_from_dict(tokenizer_entry(ckpt), f"{path}'s tokenizer")
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
     try:
@@ -126,6 +134,25 @@ def load_checkpoint(
             f"({cfg}): {'; '.join(problems[:3])}{more}"
         ) from None
     return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def write_model_entries(checkpoint: dict, cfg: GPTConfig, tokenizer: tiktoken.Encoding,
+                        precision: str) -> None:
+    """Add to a checkpoint being saved what rebuilds its model without the training code:
+    the whole config, the vocabulary itself (by name for GPT-2's), and the precision."""
+    checkpoint["model_config"] = cfg.to_dict()
+    checkpoint["tokenizer"] = tokenizer_to_dict(tokenizer)
+    checkpoint["precision"] = precision
+
+
+def tokenizer_entry(ckpt: dict) -> dict:
+    """A checkpoint's tokenizer entry (`tokenizer_from_dict` rebuilds it). Checkpoints hold
+    their vocabulary; older ones only its name in hyper_parameters, and GPT-2's at first."""
+    saved = ckpt.get("tokenizer")
+    if saved is not None:
+        return saved
+    return {"format": FORMAT, "name": str(ckpt.get("hyper_parameters", {}).get("tokenizer",
+                                                                              "gpt2"))}
 
 
 def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
@@ -152,7 +179,14 @@ def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
     return cfg.fit_vocab(n_vocab)
 
 
-def _safe_load(path: Path, map_location, mmap: bool = False) -> object:
+def read_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False) -> object:
+    """`torch.load` with weights only: tensors, numbers, strings and containers.
+
+    Raises:
+        ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary
+            code to load (which is refused), naming the path and the fix.
+    """
+    path = Path(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -180,7 +214,7 @@ def check_readable(path: str | Path) -> None:
     Raises:
         ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary code.
     """
-    _safe_load(Path(path), "cpu", mmap=True)
+    read_checkpoint(path, "cpu", mmap=True)
 
 
 def _corrupt(path: Path, err: Exception) -> ValueError:

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from gptmini.checkpoint import model_config
+from gptmini.checkpoint import model_config, write_model_entries
 from gptmini.flops import flops_per_token, peak_flops_of
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.tokenizer import get_tokenizer, token_byte_lengths, tokenizer_to_dict
+from gptmini.tokenizer import get_tokenizer, token_byte_lengths
 
 
 class GPTLitModule(L.LightningModule):
@@ -65,7 +65,9 @@ class GPTLitModule(L.LightningModule):
         _check_range("warmup_steps", warmup_steps, 0, math.inf)
         _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
         _check_range("weight_decay", weight_decay, 0.0, math.inf)
-        self.cfg = GPTConfig(vocab_size=get_tokenizer(tokenizer).n_vocab, **model)
+        self.tokenizer = get_tokenizer(tokenizer)
+        """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
+        self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
         self.model = GPTModel(self.cfg)
         self._flops_per_token = flops_per_token(self.cfg)
         self._watch = StepWatch()
@@ -139,7 +141,7 @@ class GPTLitModule(L.LightningModule):
         self._val_nats = torch.zeros((), dtype=torch.float32, device=self.device)
         self._val_bytes = torch.zeros((), dtype=torch.long, device=self.device)
         if self._token_bytes is None or self._token_bytes.device != self.device:
-            lengths = token_byte_lengths(get_tokenizer(self.hparams.tokenizer))
+            lengths = token_byte_lengths(self.tokenizer)
             self._token_bytes = torch.tensor(lengths, device=self.device)
 
     def validation_step(self, batch, batch_idx: int):
@@ -266,11 +268,8 @@ class GPTLitModule(L.LightningModule):
                 "checkpoint was written; the last one is intact. Resume from it with a lower "
                 "--model.learning_rate: --ckpt_path last"
             )
-        checkpoint["model_config"] = self.cfg.to_dict()  # rebuilds the model without us
-        # The vocabulary itself (by name for GPT-2's), so the checkpoint is all that
-        # generate.py, the visualizer and the export need.
-        checkpoint["tokenizer"] = tokenizer_to_dict(get_tokenizer(self.hparams.tokenizer))
-        checkpoint["precision"] = str(self.trainer.precision)  # kept by a resume's "auto"
+        # the model and its vocabulary, so the checkpoint is all generate.py needs
+        write_model_entries(checkpoint, self.cfg, self.tokenizer, str(self.trainer.precision))
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes

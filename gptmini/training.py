@@ -34,13 +34,13 @@ from gptmini.callbacks import (
     StopOnSignal,
     progress_bar,
 )
-from gptmini.checkpoint import check_readable
+from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
-from gptmini.tokenizer import FORMAT, load_tokenizer, save_tokenizer, tokenizer_from_dict
+from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and every other config applies on top."""
@@ -161,9 +161,7 @@ class GPTCLI(LightningCLI):
                 "train from scratch with the new vocabulary"
             )
         if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
-            saved = checkpoint.get("tokenizer") or {
-                "format": FORMAT,
-                "name": str(checkpoint.get("hyper_parameters", {}).get("tokenizer", "gpt2"))}
+            saved = tokenizer_entry(checkpoint)
             if "tokens" not in saved:
                 model.tokenizer = data.tokenizer = saved["name"]
                 return
@@ -189,8 +187,8 @@ def _saved(ckpt_path: str | None, run: Path) -> dict:
         return {}
     path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
+        return read_checkpoint(path, "cpu", mmap=True)
+    except (ValueError, FileNotFoundError):
         return {}
 
 

@@ -67,7 +67,7 @@ def fake_trainer(tmp_path: Path, model: GPTModel, loggers=()):
     trainer = SimpleNamespace(global_step=0, is_global_zero=True, loggers=list(loggers),
                               log_dir=None, default_root_dir=str(tmp_path))
     module = SimpleNamespace(model=model, hparams=SimpleNamespace(tokenizer="gpt2"),
-                             device=torch.device("cpu"))
+                             tokenizer=get_tokenizer("gpt2"), device=torch.device("cpu"))
     return trainer, module
 
 

@@ -165,7 +165,8 @@ def tokenize_corpus(
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); 0.05 keeps 5% for val")
     root = Path(cache_dir or default_cache_dir())
     spec = pin_revision(spec)
-    key_doc = cache_key(spec, get_tokenizer(tokenizer), val_fraction)
+    enc = get_tokenizer(tokenizer)  # (workers rebuild it from the name: it pickles big)
+    key_doc = cache_key(spec, enc, val_fraction)
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:16]
     final = root / "tokens" / f"{spec.name}-{key}"
     cache = TokenCache(final)
@@ -179,7 +180,6 @@ def tokenize_corpus(
             )
         return cache
 
-    enc = get_tokenizer(tokenizer)
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
     if not quiet:
         _log.info(f"tokenizing {spec.description} with {tokenizer} (num_proc={num_proc})")

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tiktoken import Encoding
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from gptmini.tokenizer import END_OF_TEXT, get_tokenizer
@@ -106,7 +107,7 @@ def create_dataloader(
     shuffle: bool = True,
     drop_last: bool = True,
     num_workers: int = 0,
-    tokenizer: str = "gpt2",
+    tokenizer: str | Encoding = "gpt2",
 ) -> DataLoader:
     """The book's `create_dataloader_v1`: windows of one text in batches of (input, target).
 
@@ -118,7 +119,8 @@ def create_dataloader(
         ValueError: the text has fewer than max_length + 1 tokens; an argument below 1.
     """
     check_positive(batch_size=batch_size, max_length=max_length, stride=stride)
-    ids = get_tokenizer(tokenizer).encode(text, allowed_special={END_OF_TEXT})
+    enc = tokenizer if isinstance(tokenizer, Encoding) else get_tokenizer(tokenizer)
+    ids = enc.encode(text, allowed_special={END_OF_TEXT})
     if len(ids) < max_length + 1:
         raise ValueError(
             f"the text has {len(ids)} tokens; max_length={max_length} needs at least "
