@@ -18,8 +18,8 @@ from lightning.pytorch import Callback
 from machine import cpu_description  # bench/machine.py (the script's own folder)
 
 from gptmini.flops import flops_per_token, measure_matmul_flops
-from gptmini.lit_module import lr_factor
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.optim import lr_factor
 from gptmini.precision import cpu_has_bf16
 from gptmini.training import build_cli, fit, keep_freed_memory
 

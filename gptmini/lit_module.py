@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from gptmini.checkpoint import model_config, write_model_entries
 from gptmini.flops import flops_per_token, peak_flops_of
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.optim import adamw, apply_changed_settings, warmup_cosine
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
 
 
@@ -290,34 +291,10 @@ class GPTLitModule(L.LightningModule):
                 f"the checkpoint holds a different model ({diffs}); resume with the model "
                 "settings it was trained with, or start a new --run_name"
             )
-        self._apply_changed_optimization(checkpoint)
+        apply_changed_settings(checkpoint, self.hparams, warmup_steps=self._warmup_steps(),
+                               total_steps=self._total_steps(),
+                               announce=self.trainer is not None and self.trainer.is_global_zero)
         self._rng_to_restore = checkpoint.get("rng_states")
-
-    def _apply_changed_optimization(self, checkpoint: dict) -> None:
-        """Resume with this run's optimization settings, not the checkpoint's.
-
-        The restored optimizer and schedule would otherwise keep the old learning rate,
-        weight decay and betas. The schedule is a function of the step, so it continues
-        from the step reached as the new settings draw it.
-        """
-        saved, hp = checkpoint.get("hyper_parameters", {}), self.hparams
-        changed = [f for f in OPTIMIZATION_FIELDS if f in saved and saved[f] != hp[f]]
-        if not changed:
-            return
-        if self.trainer is not None and self.trainer.is_global_zero:
-            diffs = ", ".join(f"{f} {saved[f]} -> {hp[f]}" for f in changed)
-            print(f"resuming with changed settings: {diffs}", flush=True)
-        for schedule in checkpoint.get("lr_schedulers", []):
-            step = schedule.get("last_epoch", 0)
-            lr = hp.learning_rate * lr_factor(step, self._warmup_steps(), self._total_steps(),
-                                              hp.min_lr_ratio)
-            schedule["base_lrs"] = [hp.learning_rate] * len(schedule.get("base_lrs", []))
-            schedule["_last_lr"] = [lr] * len(schedule.get("_last_lr", []))
-        for optimizer in checkpoint.get("optimizer_states", []):
-            for i, group in enumerate(optimizer.get("param_groups", [])):
-                group.update(lr=lr, initial_lr=hp.learning_rate, betas=(hp.beta1, hp.beta2))
-                if i == 0:  # configure_optimizers' first group is the decayed one
-                    group["weight_decay"] = hp.weight_decay
 
     def _restore_rng_states(self):
         # Restored at train start, after the sanity-check validation, so that the first
@@ -340,30 +317,12 @@ class GPTLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        # Decay matrices and embeddings; leave biases and LayerNorm gains alone.
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            groups,
-            lr=hp.learning_rate,
-            betas=(hp.beta1, hp.beta2),
-            # Fused: one kernel for all tensors, and it can skip a non-finite step on the
-            # device (see _skip_if_not_finite). CUDA and CPU have it.
-            fused=self.device.type in ("cuda", "cpu"),
-        )
-        total, warmup = self._total_steps(), self._warmup_steps()
-        if warmup < hp.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
-            warnings.warn(
-                f"model.warmup_steps={hp.warmup_steps} is longer than the run ({total} "
-                f"optimizer steps); warming up over all {total} instead",
-                stacklevel=2,
-            )
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, warmup, total, hp.min_lr_ratio)
-        )
+        optimizer = adamw(self.parameters(), learning_rate=hp.learning_rate,
+                          weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
+                          device=self.device)
+        schedule = warmup_cosine(optimizer, warmup_steps=self._warmup_steps(),
+                                 total_steps=self._total_steps(), min_ratio=hp.min_lr_ratio,
+                                 asked_warmup=hp.warmup_steps)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
@@ -389,11 +348,6 @@ class GPTLitModule(L.LightningModule):
         return min(self.hparams.warmup_steps, self._total_steps())
 
 
-OPTIMIZATION_FIELDS = ("learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1",
-                       "beta2")
-"""Settings a resumed run may change; the model's shape may not."""
-
-
 def rng_states() -> dict:
     """This process's random generators: torch (CPU, and CUDA when present) and Python's."""
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -407,14 +361,6 @@ def set_rng_states(states: dict) -> None:
     random.setstate(_as_tuples(states["python"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to `min_ratio` at `total_steps`, then flat."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class StepWatch:

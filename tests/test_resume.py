@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 
 from gptmini.callbacks import RunInterrupted
 from gptmini.data import GPTDataModule
-from gptmini.lit_module import lr_factor
+from gptmini.optim import lr_factor
 from gptmini.training import build_cli, fit, main
 
 REPO = Path(__file__).resolve().parents[1]
