@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gptmini.context import AttentionContext
 from gptmini.kernels import KERNELS, explicit_attention, make_kernel
+from gptmini.positions import apply_rope
 
 BACKENDS = tuple(KERNELS)
 """The built-in kernels' names (gptmini.kernels.KERNELS holds registered ones too)."""
@@ -156,6 +157,13 @@ class MultiHeadAttention(nn.Module):
         causal: False attends both ways, as a bidirectional encoder does.
         backend: a kernel's name in gptmini.kernels: "sdpa" (default), "explicit", "flex",
             "tiled", or one registered there. Assigning `backend` later swaps the kernel.
+        rope_theta: rotate queries and keys by their positions (rotary embeddings, base
+            rope_theta; gptmini.positions); None: no rotation (the book's).
+        qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
+            OLMo 2 do), which keeps the scores' scale in check.
+        out_bias: a bias in out_proj (the book's); Llama-style models have none.
+        alibi: add ALiBi's per-head distance penalties to the scores (gptmini.masks).
+        softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
     """
 
     def __init__(
@@ -171,6 +179,11 @@ class MultiHeadAttention(nn.Module):
         window_size: int | None = None,
         causal: bool = True,
         backend: str = "sdpa",
+        rope_theta: float | None = None,
+        qk_norm: bool = False,
+        out_bias: bool = True,
+        alibi: bool = False,
+        softcap: float | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -191,6 +204,11 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if rope_theta is not None and ((d_out // num_heads) % 2 or rope_theta <= 0):
+            raise ValueError(
+                f"rotary embeddings need an even head_dim and rope_theta > 0, got head_dim="
+                f"{d_out // num_heads}, rope_theta={rope_theta}; pick num_heads so that "
+                "d_out / num_heads is even")
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -198,14 +216,20 @@ class MultiHeadAttention(nn.Module):
         self.context_length = context_length
         self.window_size = window_size
         self.causal = causal
+        self.rope_theta = rope_theta
+        self.alibi, self.softcap = alibi, softcap
         self.backend = backend  # builds self.kernel
 
         kv_dim = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)  # combines the heads' outputs
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
+        if qk_norm:  # one gain per head dimension, shared by the heads
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+        self.qk_norm = qk_norm
         # The book registers its triangular mask as a buffer; here masks are built per call
         # (gptmini.context), so they also cover caches, windows, padding and documents, and
         # checkpoints do not carry a context_length^2 tensor per layer. The book's state
@@ -269,6 +293,11 @@ class MultiHeadAttention(nn.Module):
         queries = queries.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         keys = keys.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.rope_theta is not None:  # rotated at their positions, then cached
+            cos, sin = context.rope(self.head_dim, self.rope_theta, queries.dtype)
+            queries, keys = apply_rope(queries, cos, sin), apply_rope(keys, cos, sin)
 
         if kv_cache is not None:
             # (b, num_kv_heads, num_keys, head_dim)
@@ -301,7 +330,8 @@ class MultiHeadAttention(nn.Module):
             return AttentionContext.build(
                 b, num_tokens, num_cached, causal=self.causal, window_size=self.window_size,
                 attention_mask=attention_mask, document_ids=document_ids,
-                uses_cache=uses_cache, device=device)
+                uses_cache=uses_cache, alibi_heads=self.num_heads if self.alibi else None,
+                softcap=self.softcap, device=device)
         if attention_mask is not None or document_ids is not None:
             raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
                              "not beside a context that already holds its masks")
@@ -311,11 +341,16 @@ class MultiHeadAttention(nn.Module):
                 f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
                 f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
                 f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
-        if (context.causal, context.window_size) != (self.causal, self.window_size):
+        mine = (self.causal, self.window_size, self.num_heads if self.alibi else None,
+                self.softcap)
+        theirs = (context.causal, context.window_size, context.alibi_heads, context.softcap)
+        if mine != theirs:
+            names = ("causal", "window_size", "alibi_heads", "softcap")
             raise ValueError(
-                f"the context was built with causal={context.causal}, window_size="
-                f"{context.window_size}, but this layer has causal={self.causal}, window_size="
-                f"{self.window_size}; build it with the layer's settings")
+                "the context was built with " + ", ".join(
+                    f"{n}={v}" for n, v in zip(names, theirs, strict=True)) + ", but this "
+                "layer has " + ", ".join(f"{n}={v}" for n, v in zip(names, mine, strict=True))
+                + "; build it with the layer's settings (GPTModel.new_context does)")
         return context
 
 

@@ -7,13 +7,16 @@ model runner builds one context per step. It holds:
     positions   (b, num_tokens): where each new token sits in its sequence, counted from
                 its row's first real token (padding) or its document's first token
     mask        the mask function of gptmini.masks for this call, or None (all keys)
+    score_mod   the score modifier (ALiBi, soft-capping), or None
 
 and makes the mask's per-kernel forms lazily, once, for every layer to share:
 
     dense()          (b, 1, num_tokens, num_keys) booleans: the explicit path and SDPA
+    float_mask(...)  an additive modifier and the mask as one float bias, for SDPA
     block_mask()     a FlexAttention BlockMask
     tile_plan(tile)  which tiles the tiled kernel skips, computes whole, or masks
     empty_rows()     (b, num_tokens): queries the mask leaves no key (left padding)
+    rope(...)        the rotary angles of the positions (gptmini.positions)
 
 Positions are absolute within a call: the queries are the last num_tokens of num_keys
 positions (the keys before them are in a KV cache).
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gptmini import masks
+from gptmini.positions import alibi_slopes, rope_angles
 
 __all__ = ["AttentionContext", "positions_in_documents"]
 
@@ -38,9 +42,12 @@ class AttentionContext:
 
     def __init__(self, *, positions: Tensor, mask: masks.MaskMod | None, num_keys: int,
                  causal: bool, window_size: int | None, padded: bool, data_dependent: bool,
-                 uses_cache: bool):
+                 uses_cache: bool, score_mod: masks.ScoreMod | None = None,
+                 alibi_heads: int | None = None, softcap: float | None = None):
         self.positions = positions
         self.mask = mask
+        self.score_mod = score_mod
+        self.alibi_heads, self.softcap = alibi_heads, softcap
         self.batch, self.num_tokens = positions.shape
         self.num_keys = num_keys
         self.device = positions.device
@@ -55,6 +62,7 @@ class AttentionContext:
     def build(cls, batch: int, num_tokens: int, num_cached: int = 0, *, causal: bool = True,
               window_size: int | None = None, attention_mask: Tensor | None = None,
               document_ids: Tensor | None = None, uses_cache: bool = False,
+              alibi_heads: int | None = None, softcap: float | None = None,
               device: torch.device | str | None = None) -> "AttentionContext":
         """The context of a call over `num_tokens` new tokens after `num_cached` cached ones.
 
@@ -65,6 +73,8 @@ class AttentionContext:
             attention_mask: optional (b, num_keys), 1 at real tokens and 0 at padding.
             document_ids: optional (b, num_keys), the document of each token.
             uses_cache: a KV cache is in play (even empty, on its first call).
+            alibi_heads: ALiBi's distance penalties with the slopes of this many heads.
+            softcap: soft-cap the scores at this value.
             device: where positions and masks live (default: the masks' tensors' device).
 
         Raises:
@@ -99,15 +109,23 @@ class AttentionContext:
         if document_ids is not None:
             parts.append(masks.document(document_ids))
         mask = None if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+        mods = []
+        if alibi_heads is not None:
+            mods.append(masks.alibi(alibi_slopes(alibi_heads).to(positions.device)))
+        if softcap is not None:
+            mods.append(masks.softcap(softcap))
+        score_mod = None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
         return cls(positions=positions, mask=mask, num_keys=num_keys, causal=causal,
                    window_size=window_size, padded=attention_mask is not None,
                    data_dependent=attention_mask is not None or document_ids is not None,
-                   uses_cache=uses_cache)
+                   uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
+                   softcap=softcap)
 
     @property
     def plain_causal(self) -> bool:
         """Causal over the whole call and nothing else: SDPA's is_causal (flash kernels)."""
-        return self.mask is masks.causal and self.num_tokens == self.num_keys
+        return (self.mask is masks.causal and self.num_tokens == self.num_keys
+                and self.score_mod is None)
 
     def _once(self, key, make):
         if key not in self._forms:
@@ -132,6 +150,17 @@ class AttentionContext:
             allowed = allowed | empty[..., None]
         return allowed
 
+    def float_mask(self, num_heads: int, dtype: torch.dtype) -> Tensor:
+        """An additive score modifier plus the mask as one bias (b, num_heads, num_tokens,
+        num_keys): the modifier where a query may attend, -inf where not."""
+        def build():
+            bias = masks.score_bias(self.score_mod, self.batch, num_heads, self.num_tokens,
+                                    self.num_keys, self.device, dtype)
+            allowed = self.dense()
+            return bias if allowed is None else bias.masked_fill(~allowed, -torch.inf)
+
+        return self._once(("float_mask", num_heads, dtype), build)
+
     def empty_rows(self) -> Tensor | None:
         """(b, num_tokens): True at queries the mask lets see no key; None if there are none
         by construction (only padding can empty a row: a query always sees itself)."""
@@ -139,6 +168,12 @@ class AttentionContext:
             return None
         return self._once("empty_rows", lambda: ~masks.rows_with_keys(
             self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
+
+    def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the new tokens' rotary angles, (b, 1, num_tokens, head_dim / 2):
+        every layer of the pass rotates its queries and keys with the same ones."""
+        return self._once(("rope", head_dim, theta, dtype),
+                          lambda: rope_angles(self.positions, head_dim, theta, dtype))
 
     def block_mask(self):
         """The mask as a FlexAttention BlockMask, or None for all keys. A mask that reads no

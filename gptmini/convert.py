@@ -121,11 +121,17 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         unsupported.append(f"n_kv_heads={cfg.n_kv_heads} (grouped-query attention)")
     if cfg.window_size is not None:
         unsupported.append(f"window_size={cfg.window_size} (sliding-window attention)")
+    book = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "qk_norm": False,
+            "bias": True, "attn_softcap": None}
+    unsupported += [f"{field}={getattr(cfg, field)!r}" for field, value in book.items()
+                    if getattr(cfg, field) != value]
+    if cfg.hidden_dim != 4 * cfg.emb_dim:
+        unsupported.append(f"mlp_hidden_dim={cfg.mlp_hidden_dim}")
     if unsupported:
         raise ValueError(
-            "GPT-2's layout has only full multi-head attention, so this model cannot be "
-            f"exported: {', '.join(unsupported)}. Export a model with n_kv_heads=None and "
-            "window_size=None"
+            "GPT-2's layout has only learned positions, LayerNorm, a 4x GELU MLP with biases "
+            f"and full multi-head attention, so this model cannot be exported to it: "
+            f"{', '.join(unsupported)}. Export a model with the book's options"
         )
     out = {
         "model_type": "gpt2",

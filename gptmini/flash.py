@@ -31,7 +31,7 @@ torch.compile, which would unroll its loops.
 import torch
 from torch import Tensor
 
-from gptmini.masks import MaskMod, tile_plan
+from gptmini.masks import MaskMod, ScoreMod, apply_score_mod, tile_plan
 
 __all__ = ["tiled_attention"]
 
@@ -39,7 +39,8 @@ __all__ = ["tiled_attention"]
 @torch.compiler.disable
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None, *,
                     tile: int = 256, skip_tiles: bool = True,
-                    plan: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    plan: tuple[Tensor, Tensor] | None = None,
+                    score_mod: ScoreMod | None = None) -> Tensor:
     """softmax(q kᵀ / sqrt(head_dim), masked) v, one tile of queries and keys at a time.
 
     Args:
@@ -53,18 +54,23 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None
             which changes nothing but the time.
         plan: `masks.tile_plan(mask, ...)` for these shapes and this tile, if already made
             (an AttentionContext makes it once for every layer); None: made here.
+        score_mod: (score, b, h, q_idx, kv_idx) -> score on each tile's scaled scores
+            (ALiBi, soft-capping: gptmini.masks), before the mask; tiles are still
+            skipped by the mask alone.
 
     Returns:
         (b, num_heads, num_tokens, head_dim); a query with no key to attend gets zeros.
     """
-    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles, plan)
+    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles, plan, score_mod)
 
 
 class _Tiles:
     """Which tiles to compute, and each tile's mask: one plan for forward and backward."""
 
-    def __init__(self, mask, batch, num_tokens, num_keys, tile, skip_tiles, device, plan=None):
+    def __init__(self, mask, batch, num_tokens, num_keys, tile, skip_tiles, device, plan=None,
+                 score_mod=None):
         self.mask, self.tile, self.first = mask, tile, num_keys - num_tokens
+        self.score_mod = score_mod
         self.num_tokens, self.num_keys, self.batch = num_tokens, num_keys, batch
         self.device = device
         if mask is None:
@@ -83,6 +89,14 @@ class _Tiles:
     def cols(self, j: int) -> slice:
         return slice(j * self.tile, min((j + 1) * self.tile, self.num_keys))
 
+    def scores(self, q: Tensor, k: Tensor, i: int, j: int, scale: float, wide) -> Tensor:
+        """Tile (i, j)'s scaled scores, modified (not yet masked)."""
+        s = (q[:, :, self.rows(i)] @ k[:, :, self.cols(j)].transpose(-1, -2)).to(wide) * scale
+        if self.score_mod is None:
+            return s
+        return apply_score_mod(self.score_mod, s, self.first + self.rows(i).start,
+                               self.cols(j).start)
+
     def allowed(self, i: int, j: int) -> Tensor | None:
         """The mask on tile (i, j), (batch, 1, rows, cols); None where it allows all."""
         if bool(self.every[i, j]):
@@ -98,9 +112,9 @@ class _Tiles:
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, tile, skip_tiles, known_plan):
+    def forward(ctx, q, k, v, mask, tile, skip_tiles, known_plan, score_mod):
         plan = _Tiles(mask, q.shape[0], q.shape[2], k.shape[2], tile, skip_tiles, q.device,
-                      known_plan)
+                      known_plan, score_mod)
         wide = torch.promote_types(q.dtype, torch.float32)  # softmax sums in float32 or wider
         scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
@@ -112,7 +126,7 @@ class _TiledAttention(torch.autograd.Function):
             acc = torch.zeros(*m.shape, q.shape[-1], dtype=wide, device=q.device)
             for j in torch.nonzero(plan.some[i]).flatten().tolist():
                 cols = plan.cols(j)
-                s = (q[:, :, rows] @ k[:, :, cols].transpose(-1, -2)).to(wide) * scale
+                s = plan.scores(q, k, i, j, scale, wide)
                 allowed = plan.allowed(i, j)
                 if allowed is not None:
                     s = s.masked_fill(~allowed, -torch.inf)
@@ -149,8 +163,12 @@ class _TiledAttention(torch.autograd.Function):
             for i in torch.nonzero(plan.some[:, j]).flatten().tolist():
                 rows = plan.rows(i)
                 q_i = q[:, :, rows].to(wide)
-                s = (q_i @ k_j.transpose(-1, -2)) * scale
-                p = torch.exp(s - safe_lse[..., rows, None])  # recomputed, never stored
+                raw = (q_i @ k_j.transpose(-1, -2)) * scale
+                with torch.enable_grad():  # a modifier's own derivative, for dS below
+                    raw = raw.requires_grad_(plan.score_mod is not None)
+                    s = raw if plan.score_mod is None else apply_score_mod(
+                        plan.score_mod, raw, plan.first + rows.start, cols.start)
+                p = torch.exp(s.detach() - safe_lse[..., rows, None])  # recomputed, not stored
                 allowed = plan.allowed(i, j)
                 if allowed is not None:
                     p = p.masked_fill(~allowed, 0.0)
@@ -158,6 +176,8 @@ class _TiledAttention(torch.autograd.Function):
                 dv[:, :, cols] += p.transpose(-1, -2) @ d_o
                 dp = d_o @ v_j.transpose(-1, -2)
                 ds = p * (dp - delta[..., rows, None])  # the softmax's Jacobian, row by row
+                if plan.score_mod is not None:  # through the modifier to the raw scores
+                    ds = torch.autograd.grad(s, raw, ds)[0]
                 dq[:, :, rows] += (ds @ k_j) * scale
                 dk[:, :, cols] += (ds.transpose(-1, -2) @ q_i) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

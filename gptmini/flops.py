@@ -19,7 +19,8 @@ def num_parameters(model: nn.Module, non_embedding: bool = False) -> int:
     """
     total = sum(p.numel() for p in model.parameters())
     if non_embedding and isinstance(model, GPTModel):
-        total -= model.pos_emb.weight.numel()
+        if model.cfg.position == "learned":
+            total -= model.pos_emb.weight.numel()
         if not model.cfg.tie_weights:
             total -= model.tok_emb.weight.numel()
     return total

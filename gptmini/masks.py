@@ -18,6 +18,18 @@ with a KV cache), so query i sits at position num_keys - num_tokens + i. The mas
     sliding_window    keys fewer than `window` positions away (with causal: the last window)
     padding           only the real keys of its row (per-row padding, left or right)
     document          only keys of its own document (documents packed in one window)
+
+Beside masks, score modifiers `(score, b, h, q_idx, kv_idx) -> score` (FlexAttention's
+`score_mod`) change what a query's scores are before the softmax, on the scaled scores
+q·k / sqrt(head_dim), with the same absolute positions:
+
+    alibi(slopes)     score + slope_h * (kv_idx - q_idx): ALiBi's distance penalty (additive)
+    softcap(cap)      cap * tanh(score / cap): scores bounded in (-cap, cap)
+    chain(*mods)      one after the other
+
+An additive modifier (`mod.additive`) is a bias: `score_bias` evaluates it once as a
+tensor for SDPA's float mask; the explicit path and the tiled kernel apply any modifier to
+their scores (`apply_score_mod`), and flex takes it as its `score_mod`.
 """
 
 from collections.abc import Callable
@@ -26,10 +38,15 @@ import torch
 from torch import Tensor
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 __all__ = [
     "MaskMod",
+    "ScoreMod",
+    "alibi",
     "and_masks",
+    "apply_score_mod",
+    "chain",
     "block_mask",
     "causal",
     "dense",
@@ -38,7 +55,9 @@ __all__ = [
     "or_masks",
     "padding",
     "rows_with_keys",
+    "score_bias",
     "sliding_window",
+    "softcap",
     "tile_plan",
 ]
 
@@ -104,7 +123,73 @@ def or_masks(*masks: MaskMod) -> MaskMod:
     return either
 
 
+def alibi(slopes: Tensor) -> ScoreMod:
+    """ALiBi: head h adds slopes[h] * (kv_idx - q_idx), a penalty growing with distance
+    (keys before the query are at negative distance)."""
+
+    def distance_penalty(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor,
+                         kv_idx: Tensor) -> Tensor:
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    distance_penalty.additive = True
+    return distance_penalty
+
+
+def softcap(cap: float) -> ScoreMod:
+    """cap * tanh(score / cap): smooth, bounded scores (Gemma 2's attention soft-capping)."""
+
+    def capped(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return cap * torch.tanh(score / cap)
+
+    capped.additive = False
+    return capped
+
+
+def chain(*mods: ScoreMod) -> ScoreMod:
+    """The modifiers applied one after the other (additive when every one is)."""
+
+    def chained(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        for mod in mods:
+            score = mod(score, b, h, q_idx, kv_idx)
+        return score
+
+    chained.additive = all(getattr(mod, "additive", False) for mod in mods)
+    return chained
+
+
 # --------------------------------------------------------------------------- its forms
+
+
+def _grids(batch: int, num_heads: int, first_query: int, num_queries: int, first_key: int,
+           num_keys: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """b (batch,1,1,1), h (1,heads,1,1), q_idx (1,1,queries,1), kv_idx (1,1,1,keys)."""
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(num_heads, device=device)[None, :, None, None]
+    q = torch.arange(first_query, first_query + num_queries, device=device)[None, None, :, None]
+    kv = torch.arange(first_key, first_key + num_keys, device=device)[None, None, None, :]
+    return b, h, q, kv
+
+
+def apply_score_mod(mod: ScoreMod, scores: Tensor, first_query: int, first_key: int = 0
+                    ) -> Tensor:
+    """`mod` on a block of scaled scores (b, heads, queries, keys) whose first query sits at
+    position `first_query` and first key at `first_key`."""
+    b, h, q, kv = _grids(scores.shape[0], scores.shape[1], first_query, scores.shape[2],
+                         first_key, scores.shape[3], scores.device)
+    return mod(scores, b, h, q, kv)
+
+
+def score_bias(mod: ScoreMod, batch: int, num_heads: int, num_tokens: int, num_keys: int,
+               device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An additive modifier as a bias, (batch, num_heads, num_tokens, num_keys)."""
+    if not getattr(mod, "additive", False):
+        raise ValueError("only an additive score modifier is a bias; apply this one to the "
+                         "scores (apply_score_mod)")
+    zeros = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+    bias = mod(zeros, *_grids(batch, num_heads, num_keys - num_tokens, num_tokens, 0,
+                              num_keys, device))
+    return bias.expand(batch, num_heads, num_tokens, num_keys)
+
 
 
 def dense(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None) -> Tensor:

@@ -2,11 +2,12 @@
 
 Token + position embeddings, dropout, `n_layers` pre-LayerNorm transformer blocks
 (attention and a 4x GELU feed-forward, each inside a residual), a final LayerNorm and a
-linear output head. Imports only torch, so the model can be lifted into any training loop.
+linear output head: the book's model, and the default. GPTConfig (gptmini.config) swaps in
+the modern parts: rotary or ALiBi positions instead of the embedding, RMSNorm, SwiGLU or
+ReLU², QK-norm, no biases. Imports only torch, so the model can be lifted into any loop.
 """
 
 import math
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -14,164 +15,59 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
+from gptmini.config import GPT_CONFIG_124M, MLPS, NORMS, PRESETS, GPTConfig
 from gptmini.context import AttentionContext
-from gptmini.kernels import KERNELS
 
-# The book's configuration dictionary, field for field.
-GPT_CONFIG_124M = {
-    "vocab_size": 50257,
-    "context_length": 1024,
-    "emb_dim": 768,
-    "n_heads": 12,
-    "n_layers": 12,
-    "drop_rate": 0.1,
-    "qkv_bias": False,
-}
-
-
-@dataclass
-class GPTConfig:
-    """Architecture of a GPT model, with the book's field names."""
-
-    vocab_size: int = 50257
-    """Number of token ids the tokenizer has; 50257 for GPT-2's BPE."""
-    context_length: int = 1024
-    """Most tokens the model sees at once (size of the position embedding)."""
-    emb_dim: int = 768
-    """Width of the residual stream."""
-    n_heads: int = 12
-    """Attention (query) heads per layer; must divide emb_dim."""
-    n_layers: int = 12
-    """Transformer blocks."""
-    drop_rate: float = 0.1
-    """Dropout on embeddings and residual branches, and on attention weights unless
-    attn_drop_rate says otherwise."""
-    qkv_bias: bool = False
-    """Bias in the query, key and value projections (GPT-2 has it)."""
-    n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; None means n_heads, 1 multi-query."""
-    window_size: int | None = None
-    """Sliding-window attention: each token sees this many most recent tokens; None = all."""
-    tie_weights: bool = False
-    """Share the token embedding with the output head (GPT-2 does; the book does not)."""
-    attention_backend: str = "sdpa"
-    """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
-    (FlexAttention, compiled; forward only on CPU) or tiled (flash attention from scratch)."""
-    attn_drop_rate: float | None = None
-    """Dropout on attention weights; None: drop_rate. flex and tiled train only with 0."""
-    padded_vocab_size: int | None = None
-    """Width of the embedding and output head, if wider than vocab_size (e.g. 50304, a multiple
-    of 64, for faster matmuls); the ids past vocab_size are never predicted. None: vocab_size."""
-
-    def __post_init__(self):
-        def need(ok: bool, field: str, fix: str):
-            if not ok:
-                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
-
-        for field in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
-            value = getattr(self, field)
-            need(isinstance(value, int) and value >= 1, field, "use a positive integer")
-        need(
-            self.emb_dim % self.n_heads == 0,
-            "n_heads",
-            f"it must divide emb_dim={self.emb_dim}",
-        )
-        need(0.0 <= self.drop_rate < 1.0, "drop_rate", "use a value in [0, 1)")
-        if self.n_kv_heads is not None:
-            need(
-                isinstance(self.n_kv_heads, int)
-                and self.n_kv_heads >= 1
-                and self.n_heads % self.n_kv_heads == 0,
-                "n_kv_heads",
-                f"use a divisor of n_heads={self.n_heads}, or None for one per query head",
-            )
-        if self.window_size is not None:
-            need(
-                isinstance(self.window_size, int) and self.window_size >= 1,
-                "window_size",
-                "use a positive integer, or None for full causal attention",
-            )
-        need(
-            self.attention_backend in KERNELS,
-            "attention_backend",
-            f"use one of {', '.join(KERNELS)}",
-        )
-        if self.attn_drop_rate is not None:
-            need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
-                 "use a value in [0, 1), or None for drop_rate")
-        if self.padded_vocab_size is not None:
-            need(
-                isinstance(self.padded_vocab_size, int)
-                and self.padded_vocab_size >= self.vocab_size,
-                "padded_vocab_size",
-                f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), or "
-                "None for no padding",
-            )
-
-    @property
-    def vocab_width(self) -> int:
-        """Rows of the token embedding and the output head: padded_vocab_size or vocab_size."""
-        return self.padded_vocab_size or self.vocab_size
-
-    def fit_vocab(self, n_vocab: int) -> "GPTConfig":
-        """This config for a tokenizer of `n_vocab` ids, with the same weight shapes.
-
-        A vocab_size wider than the tokenizer (checkpoints from before padded_vocab_size
-        existed, Hugging Face models with padded embeddings) is padding: it becomes
-        padded_vocab_size, and vocab_size the tokenizer's count.
-
-        Raises:
-            ValueError: the model has fewer ids than the tokenizer.
-        """
-        if n_vocab > self.vocab_size:
-            raise ValueError(
-                f"the model has vocab_size={self.vocab_size} but its tokenizer has {n_vocab} "
-                "ids; it was trained with another tokenizer"
-            )
-        if n_vocab == self.vocab_size:
-            return self
-        return replace(self, vocab_size=n_vocab, padded_vocab_size=self.vocab_width)
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named preset (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-_GPT2 = {"vocab_size": 50257, "context_length": 1024, "drop_rate": 0.0, "qkv_bias": True,
-         "tie_weights": True}
-PRESETS: dict[str, dict] = {
-    # The book's four GPT-2 sizes (named by OpenAI's parameter counts).
-    "gpt2-124m": {**_GPT2, "emb_dim": 768, "n_layers": 12, "n_heads": 12},
-    "gpt2-355m": {**_GPT2, "emb_dim": 1024, "n_layers": 24, "n_heads": 16},
-    "gpt2-774m": {**_GPT2, "emb_dim": 1280, "n_layers": 36, "n_heads": 20},
-    "gpt2-1558m": {**_GPT2, "emb_dim": 1600, "n_layers": 48, "n_heads": 25},
-    # Sizes that train on a laptop CPU in minutes.
-    "cpu-tiny": {"vocab_size": 50257, "context_length": 64, "emb_dim": 64, "n_layers": 2,
-                 "n_heads": 2, "drop_rate": 0.0, "tie_weights": True},
-    "cpu-small": {"vocab_size": 50257, "context_length": 128, "emb_dim": 256, "n_layers": 4,
-                  "n_heads": 4, "drop_rate": 0.1, "tie_weights": True},
-}
-
+__all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "GPTConfig", "GPTModel",
+           "TransformerBlock", "cross_entropy"]
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: emb_dim -> 4 * emb_dim -> emb_dim with GELU (tanh approximation)."""
+    """Position-wise MLP: emb_dim -> 4 * emb_dim -> emb_dim with GELU (tanh approximation),
+    the book's; with cfg.mlp "relu2", squared ReLU (modded-nanogpt's) in its place."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
-            nn.GELU(approximate="tanh"),  # the book's and GPT-2's GELU
-            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+            nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias),
+            nn.GELU(approximate="tanh") if cfg.mlp == "gelu" else SquaredReLU(),
+            nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
         )
+
+    @property
+    def proj_out(self) -> nn.Linear:
+        return self.layers[2]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.layers(x)
+
+
+class SquaredReLU(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x).square()
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: down(silu(gate(x)) * up(x)), Llama's (names as Hugging Face's)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias)
+
+    @property
+    def proj_out(self) -> nn.Linear:
+        return self.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """LayerNorm (the book's, eps 1e-5) or RMSNorm, over emb_dim."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.emb_dim, eps=1e-5)
+    return nn.LayerNorm(cfg.emb_dim, eps=1e-5, bias=cfg.bias)
 
 
 class TransformerBlock(nn.Module):
@@ -189,10 +85,15 @@ class TransformerBlock(nn.Module):
             num_kv_heads=cfg.n_kv_heads,
             window_size=cfg.window_size,
             backend=cfg.attention_backend,
+            rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+            qk_norm=cfg.qk_norm,
+            out_bias=cfg.bias,
+            alibi=cfg.position == "alibi",
+            softcap=cfg.attn_softcap,
         )
-        self.ff = FeedForward(cfg)
-        self.norm1 = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
-        self.norm2 = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
+        self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
+        self.norm1 = make_norm(cfg)
+        self.norm2 = make_norm(cfg)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
     def forward(
@@ -232,16 +133,17 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_width, cfg.emb_dim)
-        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        if cfg.position == "learned":  # the others need no embedding of positions
+            self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
-        self.final_norm = nn.LayerNorm(cfg.emb_dim, eps=1e-5)
+        self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
         self.apply(self._init_weights)
         # GPT-2 scales the projections that write into the residual stream by
         # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth.
         for block in self.trf_blocks:
-            for proj in (block.att.out_proj, block.ff.layers[2]):
+            for proj in (block.att.out_proj, block.ff.proj_out):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_weights:
             self.out_head.weight = self.tok_emb.weight
@@ -319,18 +221,19 @@ class GPTModel(nn.Module):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
         if context is None:
-            context = AttentionContext.build(
-                b, num_tokens, past, causal=True, window_size=self.cfg.window_size,
-                attention_mask=attention_mask, document_ids=document_ids,
-                uses_cache=kv_caches is not None, device=in_idx.device)
+            context = self.new_context(b, num_tokens, past, attention_mask=attention_mask,
+                                       document_ids=document_ids,
+                                       uses_cache=kv_caches is not None, device=in_idx.device)
         elif attention_mask is not None or document_ids is not None:
             raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
                              "not beside a context that already holds its masks")
-        positions = context.positions  # (b, num_tokens)
-        if context.rows_alike:
-            positions = positions[:1]  # one lookup broadcast over the batch, as in the book
-        # (b, num_tokens, emb_dim): each token's embedding plus its position's
-        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
+        x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
+        if self.cfg.position == "learned":
+            positions = context.positions  # (b, num_tokens)
+            if context.rows_alike:
+                positions = positions[:1]  # one lookup broadcast over the batch, as the book
+            x = x + self.pos_emb(positions)  # each token's embedding plus its position's
+        x = self.drop_emb(x)
 
         all_weights = []
         for i, block in enumerate(self.trf_blocks):
@@ -369,6 +272,17 @@ class GPTModel(nn.Module):
         if reduction == "sum":
             return losses.sum()
         return losses.sum() / (flat != -100).sum()
+
+    def new_context(self, batch: int, num_tokens: int, num_cached: int = 0, *,
+                    attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
+                    uses_cache: bool = False, device=None) -> AttentionContext:
+        """The AttentionContext of one forward pass with this model's attention settings
+        (window, ALiBi, soft-cap); forward builds it, and so does the engine for a step."""
+        return AttentionContext.build(
+            batch, num_tokens, num_cached, causal=True, window_size=self.cfg.window_size,
+            attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
+            alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
+            softcap=self.cfg.attn_softcap, device=device)
 
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""

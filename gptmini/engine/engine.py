@@ -277,8 +277,7 @@ class Engine:
     def _context(self, batch: int, num_tokens: int, num_cached: int,
                  attention_mask: Tensor | None = None) -> AttentionContext:
         """The step's attention context: built once, read by every layer."""
-        return AttentionContext.build(batch, num_tokens, num_cached, causal=True,
-                                      window_size=self.model.cfg.window_size,
+        return self.model.new_context(batch, num_tokens, num_cached,
                                       attention_mask=attention_mask, uses_cache=True,
                                       device=self.device)
 

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gptmini.masks import apply_score_mod
+
 
 def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
                        dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -19,11 +21,16 @@ def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
     attn_scores = queries @ keys.transpose(2, 3)  # (b, num_heads, num_tokens, num_keys)
+    divisor = keys.shape[-1] ** 0.5
+    if context.score_mod is not None:  # modifiers act on the scaled scores, as flex's do
+        attn_scores = apply_score_mod(context.score_mod, attn_scores / divisor,
+                                      context.num_keys - context.num_tokens)
+        divisor = 1.0
     allowed = context.dense()
     if allowed is not None:
         attn_scores.masked_fill_(~allowed, -torch.inf)
     # In float32 or wider (bf16 rounding in a softmax costs accuracy; float64 stays).
-    attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1,
+    attn_weights = torch.softmax(attn_scores / divisor, dim=-1,
                                  dtype=torch.promote_types(attn_scores.dtype, torch.float32))
     empty = context.empty_rows()
     if empty is not None:

@@ -31,6 +31,7 @@ class FlexKernel:
                 "with the sdpa, explicit or tiled backend, or on a GPU"
             )
         return _flex_attention(queries)(queries, keys, values, block_mask=context.block_mask(),
+                                        score_mod=context.score_mod,
                                         enable_gqa=keys.shape[1] != queries.shape[1])
 
 

@@ -20,4 +20,5 @@ class TiledKernel:
         group = queries.shape[1] // keys.shape[1]
         return tiled_attention(queries, keys.repeat_interleave(group, dim=1),
                                values.repeat_interleave(group, dim=1), context.mask,
-                               tile=self.tile, plan=context.tile_plan(self.tile))
+                               tile=self.tile, plan=context.tile_plan(self.tile),
+                               score_mod=context.score_mod)

@@ -1,0 +1,264 @@
+"""Position schemes and the modern block options: rotary embeddings against an independent
+complex-number rotation, ALiBi slopes against the paper, and every option through every
+backend, the KV cache, padding, documents and the engine."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gptmini.attention import MultiHeadAttention
+from gptmini.engine import Engine
+from gptmini.generation import generate, left_pad
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.positions import alibi_slopes, apply_rope, rope_angles
+
+
+def rope_by_complex_numbers(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
+    """Dimension i and i + d/2 as one complex number, multiplied by e^(i * p * w_i)."""
+    d = x.shape[-1]
+    z = torch.complex(x[..., : d // 2], x[..., d // 2:])  # (..., n, d/2)
+    w = torch.tensor([theta ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    p = torch.tensor(positions, dtype=torch.float64)[:, None]
+    turned = z * torch.polar(torch.ones_like(p * w), p * w)
+    return torch.cat([turned.real, turned.imag], dim=-1)
+
+
+def test_rope_is_a_rotation_by_position_times_frequency():
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    positions = [0, 1, 7, 20, 3]
+    cos, sin = rope_angles(torch.tensor([positions] * 2), 8, theta=500.0, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin),
+                               rope_by_complex_numbers(x, positions, 500.0))
+
+
+def test_rotated_scores_depend_only_on_the_distance():
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16,
+                                                                      dtype=torch.float64)
+
+    def score(pq, pk):
+        qa = rope_angles(torch.tensor([[pq]]), 16, dtype=torch.float64)
+        ka = rope_angles(torch.tensor([[pk]]), 16, dtype=torch.float64)
+        return float((apply_rope(q, *qa) * apply_rope(k, *ka)).sum())
+
+    assert score(9, 4) == pytest.approx(score(109, 104), rel=1e-10)
+    assert score(9, 4) != pytest.approx(score(9, 3), rel=1e-6)
+
+
+@pytest.mark.parametrize("heads", [8, 12])
+def test_alibi_slopes_follow_the_paper(heads):
+    # 8 heads: 1/2, 1/4, ..., 1/256. 12: the 8 of 8 heads, then every other one of 16 heads
+    # (2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5), as the paper's code builds non-powers of two.
+    eight = [2.0 ** -(i + 1) for i in range(8)]
+    expected = eight if heads == 8 else eight + [2.0 ** -(0.5 + i) for i in range(4)]
+    torch.testing.assert_close(alibi_slopes(heads).double(), torch.tensor(expected,
+                                                                          dtype=torch.float64))
+
+
+def modern(tiny_config, **fields):
+    options = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True,
+               "bias": False, "tie_weights": False, **fields}
+    return replace(tiny_config, **options)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_rotary_attention_equals_the_explicit_path_on_every_backend(backend, kv_heads):
+    def make(name):
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=kv_heads,
+                                 window_size=6, backend=name, rope_theta=100.0, qk_norm=True)
+        if name == "tiled":
+            mha.kernel.tile = 4
+        return mha
+
+    x = torch.randn(2, 13, 16, requires_grad=backend != "flex")
+    real = torch.ones(2, 13, dtype=torch.long)
+    real[0, :4] = 0
+    documents = torch.tensor([[0] * 8 + [1] * 5, [0] * 13])
+    want = make("explicit")(x, real, document_ids=documents)
+    with torch.set_grad_enabled(backend != "flex"):
+        got = make(backend)(x, real, document_ids=documents)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if backend != "flex":
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0],
+                                   torch.autograd.grad(want.sum(), x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["rope", "none", "learned"])
+def test_the_kv_cache_equals_recomputing_for_every_position_scheme(tiny_config, position):
+    model = GPTModel(modern(tiny_config, position=position)).double().eval()
+    idx = torch.randint(0, 64, (2, 20))
+    caches = model.new_kv_caches()
+    with torch.no_grad():
+        steps = [model(idx[:, :7], kv_caches=caches)]
+        steps += [model(idx[:, t:t + 1], kv_caches=caches) for t in range(7, 20)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(idx))
+
+
+def test_rotary_padding_and_documents_see_positions_of_their_own(tiny_config):
+    model = GPTModel(modern(tiny_config)).double().eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    idx, mask = left_pad(prompts)
+    with torch.no_grad():
+        padded = model(idx, mask)
+        alone = model(torch.tensor([prompts[1]]))
+        torch.testing.assert_close(padded[1, -3:], alone[0])
+        packed = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+        both = model(packed, document_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+        torch.testing.assert_close(both[0, 3:], model(packed[:, 3:])[0])
+
+
+def test_the_engine_decodes_a_rotary_model_as_generate_does(tiny_config):
+    model = GPTModel(modern(tiny_config, n_kv_heads=1, window_size=8)).double().eval()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    engine = Engine(model, max_batch=2, block_size=4)
+    got = [r.tokens for r in engine.generate(prompts, max_new_tokens=40)]
+    for prompt, tokens in zip(prompts, got, strict=True):
+        want = generate(model, torch.tensor([prompt]), 40, use_cache=True)[0, len(prompt):]
+        assert tokens == want.tolist()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit", "tiled"])
+@pytest.mark.parametrize("options", [
+    {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True, "bias": False},
+    {"position": "none", "mlp": "relu2", "norm": "layernorm", "bias": False},
+])
+def test_every_option_trains_on_cpu(tiny_config, backend, options):
+    cfg = replace(tiny_config, attention_backend=backend, tie_weights=False, **options)
+    model = GPTModel(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.randint(0, 64, (4, 17))
+    losses = []
+    for _ in range(25):
+        loss = model(idx[:, :-1], targets=idx[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert math.isfinite(losses[-1]) and losses[-1] < 0.8 * losses[0]  # it learns the batch
+
+
+def test_parameter_counts_of_the_options(tiny_config):
+    def count(**fields):
+        return sum(p.numel() for p in GPTModel(replace(tiny_config, **fields)).parameters())
+
+    base = count()
+    assert base - count(position="rope") == tiny_config.context_length * tiny_config.emb_dim
+    ff = 2 * tiny_config.emb_dim * 4 * tiny_config.emb_dim  # 4x GELU's two matrices
+    swiglu = 3 * tiny_config.emb_dim * GPTConfig(**{**tiny_config.to_dict(),
+                                                    "mlp": "swiglu"}).hidden_dim
+    assert count(mlp="swiglu", bias=False) - count(bias=False) == 2 * (swiglu - ff)
+    assert count(qk_norm=True) - base == 2 * 2 * (tiny_config.emb_dim // tiny_config.n_heads)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"position": "sinusoidal"}, "position='sinusoidal' is invalid: use one of learned, rope"),
+    ({"norm": "batchnorm"}, "use one of layernorm, rmsnorm"),
+    ({"mlp": "geglu"}, "use one of gelu, swiglu, relu2"),
+    ({"position": "rope", "emb_dim": 18, "n_heads": 2}, "odd"),
+    ({"attn_softcap": 0}, "positive cap"),
+])
+def test_bad_options_are_named(tiny_config, fields, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{**tiny_config.to_dict(), **fields})
+
+
+def loop_attention(q, k, v, slopes, cap, window):
+    """softmax over each query's allowed keys, one (b, h, i, j) at a time: ALiBi's penalty
+    and the soft-cap written out, causal with a window, in float64."""
+    b, h, n, d = q.shape
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(n):
+                keys = [j for j in range(n) if j <= i and i - j < window]
+                scores = []
+                for j in keys:
+                    s = float(q[bi, hi, i] @ k[bi, hi, j]) / math.sqrt(d)
+                    if slopes is not None:
+                        s += float(slopes[hi]) * (j - i)
+                    if cap is not None:
+                        s = cap * math.tanh(s / cap)
+                    scores.append(s)
+                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
+                out[bi, hi, i] = sum(w * v[bi, hi, j] for w, j in zip(weights, keys,
+                                                                      strict=True))
+    return out
+
+
+MODIFIERS = {"alibi": {"alibi": True}, "softcap": {"softcap": 0.9},
+             "alibi+softcap": {"alibi": True, "softcap": 1.5}}
+
+
+@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
+def test_score_modifiers_are_equal_on_every_backend_outputs_and_gradients(backend, modifier):
+    def make(name):
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=2, window_size=7,
+                                 backend=name, **MODIFIERS[modifier])
+        if name == "tiled":
+            mha.kernel.tile = 4
+        return mha
+
+    x = torch.randn(2, 13, 16, requires_grad=backend != "flex")
+    real = torch.ones(2, 13, dtype=torch.long)
+    real[1, :3] = 0
+    documents = torch.tensor([[0] * 9 + [1] * 4, [0] * 13])
+    reference = make("explicit")
+    want = reference(x, real, document_ids=documents)
+    other = make(backend)
+    with torch.set_grad_enabled(backend != "flex"):
+        got = other(x, real, document_ids=documents)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if backend == "flex":
+        return
+    grad = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, [x, *other.parameters()], grad),
+                    torch.autograd.grad(want, [x, *reference.parameters()], grad), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "tiled"])
+def test_score_modifiers_match_the_loop_oracle(backend, modifier):
+    options = MODIFIERS[modifier]
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(8, 8, 32, 0.0, num_heads=2, window_size=5, backend=backend,
+                             **options).double()
+    if backend == "tiled":
+        mha.kernel.tile = 3
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    q = mha.W_query(x).view(2, 9, 2, 4).transpose(1, 2)
+    k = mha.W_key(x).view(2, 9, 2, 4).transpose(1, 2)
+    v = mha.W_value(x).view(2, 9, 2, 4).transpose(1, 2)
+    slopes = alibi_slopes(2) if options.get("alibi") else None
+    heads = loop_attention(q, k, v, slopes, options.get("softcap"), 5)
+    want = mha.out_proj(heads.transpose(1, 2).reshape(2, 9, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(mha(x), want)
+
+
+def test_an_alibi_models_cache_and_engine_agree_with_recomputing(tiny_config):
+    model = GPTModel(replace(tiny_config, position="alibi", attn_softcap=30.0)).double().eval()
+    idx = torch.randint(0, 64, (1, 14))
+    caches = model.new_kv_caches()
+    with torch.no_grad():
+        steps = [model(idx[:, :5], kv_caches=caches)]
+        steps += [model(idx[:, t:t + 1], kv_caches=caches) for t in range(5, 14)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(idx))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    got = [r.tokens for r in Engine(model, block_size=4).generate(prompts, max_new_tokens=12)]
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == generate(model, torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
+
+
+def test_a_modern_model_is_not_exported_to_gpt2s_layout(tiny_config, tmp_path):
+    from gptmini.convert import export_hf
+
+    model = GPTModel(modern(tiny_config))
+    with pytest.raises(ValueError, match="position='rope', norm='rmsnorm', mlp='swiglu', "
+                                         "qk_norm=True, bias=False.*book's options"):
+        export_hf(model, tmp_path / "hf")
