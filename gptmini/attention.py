@@ -128,6 +128,16 @@ class KVCache(BaseKVCache):
         self._len = end
         return self.keys, self.values
 
+    def drop_oldest(self, n: int) -> None:
+        """Forget the `n` oldest tokens (generation past the context with slide="roll").
+        A view, no copy: the next append that outgrows it copies, doubling as ever."""
+        if n <= 0:
+            return
+        self._keys, self._values = self._keys[:, :, n:], self._values[:, :, n:]
+        if self._positions is not None:
+            self._positions = self._positions[:, n:]
+        self._len -= n
+
     def _grow(self, needed: int):
         # (b, num_kv_heads, capacity, head_dim), capacity doubling: O(1) amortized appends
         capacity = max(needed, 2 * self._len, 64)

@@ -43,7 +43,8 @@ class AttentionContext:
     def __init__(self, *, positions: Tensor, mask: masks.MaskMod | None, num_keys: int,
                  causal: bool, window_size: int | None, padded: bool, data_dependent: bool,
                  uses_cache: bool, score_mod: masks.ScoreMod | None = None,
-                 alibi_heads: int | None = None, softcap: float | None = None):
+                 alibi_heads: int | None = None, softcap: float | None = None,
+                 rows_alike: bool = False):
         self.positions = positions
         self.mask = mask
         self.score_mod = score_mod
@@ -54,7 +55,7 @@ class AttentionContext:
         self.causal, self.window_size = causal, window_size
         self.padded = padded  # only padding can leave a query no key at all
         self.data_dependent = data_dependent  # the mask reads padding or document tensors
-        self.rows_alike = not data_dependent  # every row has the same positions
+        self.rows_alike = rows_alike  # every row has the same positions
         self.uses_cache = uses_cache  # keys before the new tokens come from a KV cache
         self._forms: dict = {}
 
@@ -63,6 +64,7 @@ class AttentionContext:
               window_size: int | None = None, attention_mask: Tensor | None = None,
               document_ids: Tensor | None = None, uses_cache: bool = False,
               alibi_heads: int | None = None, softcap: float | None = None,
+              positions: Tensor | None = None,
               device: torch.device | str | None = None) -> "AttentionContext":
         """The context of a call over `num_tokens` new tokens after `num_cached` cached ones.
 
@@ -75,6 +77,9 @@ class AttentionContext:
             uses_cache: a KV cache is in play (even empty, on its first call).
             alibi_heads: ALiBi's distance penalties with the slopes of this many heads.
             softcap: soft-cap the scores at this value.
+            positions: (b, num_tokens) the new tokens' positions, when they are not their
+                places in this call (a cache that dropped its oldest tokens continues from
+                the positions it holds); None: worked out from the arguments above.
             device: where positions and masks live (default: the masks' tensors' device).
 
         Raises:
@@ -89,7 +94,12 @@ class AttentionContext:
                 )
             if per_key is not None:
                 device = per_key.device
-        if document_ids is not None:
+        rows_alike = positions is None and attention_mask is None and document_ids is None
+        if positions is not None:
+            if tuple(positions.shape) != (batch, num_tokens):
+                raise ValueError(f"positions must have shape (batch, num_tokens) = ({batch}, "
+                                 f"{num_tokens}), got {tuple(positions.shape)}")
+        elif document_ids is not None:
             positions = positions_in_documents(document_ids)[:, -num_tokens:]
         elif attention_mask is not None:
             # each token's place among its row's real tokens, so a left-padded prompt is
@@ -115,11 +125,12 @@ class AttentionContext:
         if softcap is not None:
             mods.append(masks.softcap(softcap))
         score_mod = None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
+        per_row = attention_mask is not None or document_ids is not None
         return cls(positions=positions, mask=mask, num_keys=num_keys, causal=causal,
                    window_size=window_size, padded=attention_mask is not None,
-                   data_dependent=attention_mask is not None or document_ids is not None,
+                   data_dependent=per_row,
                    uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
-                   softcap=softcap)
+                   softcap=softcap, rows_alike=rows_alike)
 
     @property
     def plain_causal(self) -> bool:

@@ -77,6 +77,7 @@ def generate(
     generator: torch.Generator | None = None,
     seed: int | None = None,
     use_cache: bool = False,
+    slide: str = "recompute",
 ) -> Tensor:
     """The book's `generate`, plus top-p, seeding, several samples, batching and a KV cache.
 
@@ -101,6 +102,11 @@ def generate(
         generator: random source for sampling; mutually exclusive with `seed`.
         seed: seed for a fresh generator, so the same seed gives the same text.
         use_cache: one prefill, then one token per step against cached keys and values.
+        slide: past context_size, "recompute" the cache from the cropped context at every
+            step (the book's crop, exactly), or "roll": drop the cache's oldest token and
+            feed the newest alone, as a sliding window of context_size over the whole
+            sequence would. Roll needs use_cache and a model whose positions enter attention
+            only relatively (position rope, alibi or none).
 
     Returns:
         (b * num_samples, num_tokens + n) ids, the prompt followed by n <= max_new_tokens
@@ -111,7 +117,7 @@ def generate(
         generate_stream(
             model, idx, max_new_tokens, context_size, temperature, top_k, eos_id,
             top_p=top_p, num_samples=num_samples, attention_mask=attention_mask,
-            generator=generator, seed=seed, use_cache=use_cache,
+            generator=generator, seed=seed, use_cache=use_cache, slide=slide,
         )
     )
     if not steps:
@@ -134,6 +140,7 @@ def generate_stream(
     generator: torch.Generator | None = None,
     seed: int | None = None,
     use_cache: bool = False,
+    slide: str = "recompute",
 ) -> Iterator[Tensor]:
     """Like `generate`, but yields each step's new tokens as soon as they are drawn.
 
@@ -149,6 +156,7 @@ def generate_stream(
         raise ValueError("pass either seed or generator, not both; a seed makes a new generator")
     idx, mask = _prepare(idx, attention_mask, num_samples)
     context_size = _context_size(model, context_size)
+    _check_slide(model, slide, use_cache)
     if seed is not None:
         generator = params.generator(idx.device)
     if getattr(model, "training", False):
@@ -158,12 +166,13 @@ def generate_stream(
             stacklevel=2,
         )
 
-    return _stream(model, idx, mask, params, context_size, eos_id, generator, use_cache)
+    return _stream(model, idx, mask, params, context_size, eos_id, generator, use_cache,
+                   slide == "roll")
 
 
 @torch.inference_mode()
-def _stream(model, idx, mask, params, context_size, eos_id, generator,
-            use_cache) -> Iterator[Tensor]:
+def _stream(model, idx, mask, params, context_size, eos_id, generator, use_cache,
+            roll) -> Iterator[Tensor]:
     # Separate from generate_stream so that bad arguments raise at the call, not at the
     # first next().
     b = idx.shape[0]
@@ -173,6 +182,16 @@ def _stream(model, idx, mask, params, context_size, eos_id, generator,
         if use_cache and caches is not None and idx.shape[1] <= context_size:
             # The cache holds every token but the newest: feed just that one.
             logits = _last_logits(model, idx[:, -1:], mask, caches)
+        elif roll and caches is not None:
+            # Past the context: forget the oldest, and the newest continues the positions.
+            for cache in caches:
+                cache.drop_oldest(len(cache) - (context_size - 1))
+            mask = None if mask is None else mask[:, -context_size:]
+            context = model.new_context(b, 1, context_size - 1, attention_mask=mask,
+                                        uses_cache=True, device=idx.device,
+                                        positions=caches[0].positions[:, -1:] + 1)
+            logits = model(idx[:, -1:], kv_caches=caches, context=context,
+                           logits_to_keep=1)[:, -1].float()
         else:
             # First step, or past context_size: (re)compute over the cropped context.
             idx_cond = idx[:, -context_size:]
@@ -223,6 +242,20 @@ def _prepare(
         idx = idx.repeat_interleave(num_samples, dim=0)
         mask = None if mask is None else mask.repeat_interleave(num_samples, dim=0)
     return idx, mask
+
+
+def _check_slide(model: nn.Module, slide: str, use_cache: bool) -> None:
+    if slide not in ("recompute", "roll"):
+        raise ValueError(f"slide must be 'recompute' or 'roll', got {slide!r}")
+    if slide == "recompute":
+        return
+    position = getattr(getattr(model, "cfg", None), "position", None)
+    if not use_cache or position not in ("rope", "alibi", "none"):
+        raise ValueError(
+            "slide='roll' keeps the cached keys of earlier positions, which is exact only "
+            "with use_cache=True and positions that enter attention as distances (a GPTModel "
+            f"with position rope, alibi or none); this one has use_cache={use_cache}, "
+            f"position={position!r}: use slide='recompute'")
 
 
 def _context_size(model: nn.Module, context_size: int | None) -> int:

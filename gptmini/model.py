@@ -275,14 +275,15 @@ class GPTModel(nn.Module):
 
     def new_context(self, batch: int, num_tokens: int, num_cached: int = 0, *,
                     attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
-                    uses_cache: bool = False, device=None) -> AttentionContext:
+                    uses_cache: bool = False, positions: Tensor | None = None,
+                    device=None) -> AttentionContext:
         """The AttentionContext of one forward pass with this model's attention settings
         (window, ALiBi, soft-cap); forward builds it, and so does the engine for a step."""
         return AttentionContext.build(
             batch, num_tokens, num_cached, causal=True, window_size=self.cfg.window_size,
             attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
             alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
-            softcap=self.cfg.attn_softcap, device=device)
+            softcap=self.cfg.attn_softcap, positions=positions, device=device)
 
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""

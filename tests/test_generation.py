@@ -292,3 +292,41 @@ def test_a_model_compiled_in_place_generates_what_it_does_eagerly():
         torch.testing.assert_close(generate(model, prompt, 4, use_cache=True), eager)
     finally:
         torch.compiler.reset()
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "none"])
+def test_rolling_past_the_context_is_one_pass_with_a_window_of_the_context(position):
+    """slide="roll" against its oracle: greedy tokens of a model whose context covers the
+    whole sequence, attending through a sliding window of the first model's context."""
+    from dataclasses import replace
+
+    from gptmini.model import GPTConfig, GPTModel
+
+    cfg = GPTConfig(vocab_size=64, context_length=12, emb_dim=16, n_heads=2, n_layers=2,
+                    drop_rate=0.0, position=position, attn_softcap=8.0)
+    torch.manual_seed(3)
+    model = GPTModel(cfg).double().eval()
+    with torch.no_grad():  # at init positions move the logits by ~1e-3, no draw flips and a
+        for weight in model.parameters():  # position bug would pass; sharpened, one shows
+            weight.mul_(6)
+    oracle = GPTModel(replace(cfg, context_length=64, window_size=12)).double().eval()
+    oracle.load_state_dict(model.state_dict())
+    prompts, mask = left_pad([[5, 9, 2, 7, 1], [3, 8]])
+    # sampled with one seed: equal float64 logits draw equal tokens, and any difference in
+    # the logits shows as soon as a draw flips (greedy text of a tiny model repeats itself)
+    options = {"attention_mask": mask, "use_cache": True, "temperature": 1.0, "seed": 0}
+    got = generate(model, prompts, 30, slide="roll", **options)
+    assert torch.equal(got, generate(oracle, prompts, 30, **options))
+    if position == "rope":  # (recompute crops and re-positions: a different computation)
+        assert not torch.equal(got, generate(model, prompts, 30, **options))
+
+
+def test_rolling_is_refused_where_it_would_not_be_exact(tiny_config):
+    from gptmini.model import GPTModel
+
+    model = GPTModel(tiny_config).eval()  # learned positions
+    with pytest.raises(ValueError, match="slide='roll'.*position='learned': use "
+                                         "slide='recompute'"):
+        generate(model, torch.tensor([[1, 2]]), 3, use_cache=True, slide="roll")
+    with pytest.raises(ValueError, match="slide must be 'recompute' or 'roll'"):
+        generate(model, torch.tensor([[1, 2]]), 3, slide="shift")

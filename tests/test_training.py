@@ -494,3 +494,25 @@ def test_a_fitted_vocabulary_with_gpt2_weights_is_refused(tmp_path, corpus, caps
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "only fit GPT-2's vocabulary" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(tmp_path,
+                                                                                corpus):
+    """configs/modern-cpu.yaml's options on a tiny run: the checkpoint alone rebuilds the
+    model (generate.py, serve.py and visualize.py take no model flags)."""
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.generation import generate
+
+    args = tiny_args(tmp_path, corpus, "--config", str(REPO / "configs" / "modern-cpu.yaml"),
+                     "--run_name", "modern", "--trainer.max_steps", "12",
+                     "--model.attention_backend", "tiled", "--model.attn_softcap", "20")
+    assert main(args) == 0
+    model, tokenizer, _ = load_checkpoint(tmp_path / "runs" / "modern" / "checkpoints" /
+                                          "last.ckpt")
+    cfg = model.cfg
+    assert (cfg.position, cfg.norm, cfg.mlp, cfg.qk_norm, cfg.bias, cfg.attn_softcap) == (
+        "rope", "rmsnorm", "swiglu", True, False, 20.0)
+    assert not hasattr(model, "pos_emb")
+    ids = torch.tensor([tokenizer.encode("ROMEO:")])
+    assert generate(model, ids, 5, use_cache=True).shape == (1, ids.shape[1] + 5)
