@@ -87,11 +87,8 @@ def load_checkpoint(
             "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
         )
     if path.is_dir():
-        # GPT-2's vocabulary unless the directory has a tokenizer.json (export_hf writes one).
-        hf_tokenizer = path / "tokenizer.json"
-        tokenizer = (from_hf_tokenizer(json.loads(hf_tokenizer.read_text()), path.name)
-                     if hf_tokenizer.is_file() else get_tokenizer("gpt2"))
         model = load_hf(path)
+        tokenizer = _hf_directory_tokenizer(path, model.cfg.position == "learned")
         model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
         hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
         return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
@@ -134,6 +131,29 @@ def load_checkpoint(
             f"({cfg}): {'; '.join(problems[:3])}{more}"
         ) from None
     return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def _hf_directory_tokenizer(path: Path, gpt2_layout: bool) -> tiktoken.Encoding:
+    """A directory's tokenizer.json as tiktoken's; GPT-2's vocabulary for a GPT-2 directory
+    without one (as the hub's gpt2 ships it)."""
+    hf_tokenizer = path / "tokenizer.json"
+    if not hf_tokenizer.is_file():
+        if gpt2_layout:
+            return get_tokenizer("gpt2")
+        raise ValueError(f"{path} has no tokenizer.json: a Llama directory brings its own "
+                         "vocabulary, and no other would fit its embeddings")
+    data = json.loads(hf_tokenizer.read_text())
+    try:
+        return from_hf_tokenizer(data, path.name)
+    except ValueError as err:
+        kind = (data.get("model") or {}).get("type", "unknown")
+        raise ValueError(
+            f"{hf_tokenizer} cannot be used: gptmini encodes text with tiktoken, which "
+            f"represents byte-level BPE vocabularies only (GPT-2's, Llama 3's), and this one "
+            f"is a {kind} model without them ({err}); SentencePiece vocabularies such as "
+            "Llama 2's have no tiktoken form. Load the weights with "
+            "gptmini.convert.load_hf and tokenize with the directory's own tokenizer"
+        ) from None
 
 
 def write_model_entries(checkpoint: dict, cfg: GPTConfig, tokenizer: tiktoken.Encoding,

@@ -64,6 +64,8 @@ class GPTConfig:
     """Rotary base: frequency i of a head is rope_theta ** (-2i / head_dim)."""
     norm: str = "layernorm"
     """layernorm (the book's) or rmsnorm (no mean, no bias: Llama's)."""
+    norm_eps: float = 1e-5
+    """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
     mlp: str = "gelu"
     """gelu (the book's 4x GELU), swiglu (gated SiLU, Llama's) or relu2 (squared ReLU)."""
     mlp_hidden_dim: int | None = None
@@ -116,6 +118,8 @@ class GPTConfig:
                  "use a value in [0, 1), or None for drop_rate")
         need(self.position in POSITIONS, "position", f"use one of {', '.join(POSITIONS)}")
         need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
+        need(isinstance(self.norm_eps, int | float) and self.norm_eps > 0, "norm_eps",
+             "use a small positive number such as 1e-5")
         need(self.mlp in MLPS, "mlp", f"use one of {', '.join(MLPS)}")
         if self.position == "rope":
             need((self.emb_dim // self.n_heads) % 2 == 0, "n_heads",

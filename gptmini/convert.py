@@ -1,4 +1,4 @@
-"""GPT-2 weights in and out, in the Hugging Face `transformers` layout.
+"""GPT-2 weights in and out, in the Hugging Face `transformers` layout (Llama's: llama.py).
 
 Hugging Face's GPT-2 differs from `GPTModel` in names and in two ways of storing weights:
 its projections are `Conv1D` modules whose weight is (in_features, out_features), the
@@ -33,6 +33,8 @@ __all__ = [
     "to_hf_state_dict",
     "load_hf",
     "export_hf",
+    "read_hf_weights",
+    "write_tokenizer_files",
 ]
 
 # (gptmini name, Hugging Face name, Conv1D weight to transpose, third of c_attn or None).
@@ -122,7 +124,7 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     if cfg.window_size is not None:
         unsupported.append(f"window_size={cfg.window_size} (sliding-window attention)")
     book = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "qk_norm": False,
-            "bias": True, "attn_softcap": None}
+            "bias": True, "attn_softcap": None, "norm_eps": 1e-5}
     unsupported += [f"{field}={getattr(cfg, field)!r}" for field, value in book.items()
                     if getattr(cfg, field) != value]
     if cfg.hidden_dim != 4 * cfg.emb_dim:
@@ -229,17 +231,24 @@ def to_hf_state_dict(model: GPTModel) -> dict[str, Tensor]:
 
 
 def load_hf(directory: str | Path) -> GPTModel:
-    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2 directory.
+    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2 or Llama directory."""
+    hf_config, state = read_hf_weights(directory)
+    if hf_config.get("model_type") == "llama":
+        from gptmini.llama import from_llama_state_dict
 
-    Reads `config.json` and `model.safetensors` (or a sharded
-    `model.safetensors.index.json`, or `pytorch_model.bin` with `weights_only=True`).
-    """
+        return from_llama_state_dict(state, hf_config)
+    return from_hf_state_dict(state, hf_config)
+
+
+def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """`config.json` and the weights of a Hugging Face directory: `model.safetensors` (or a
+    sharded `model.safetensors.index.json`, or `pytorch_model.bin` with weights only)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{directory} is not a Hugging Face model directory: no config.json "
-            "(save one with GPT2LMHeadModel.save_pretrained or gptmini.convert.export_hf)"
+            "(save one with save_pretrained or gptmini.convert.export_hf)"
         )
     hf_config = json.loads(config_path.read_text())
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
@@ -264,12 +273,13 @@ def load_hf(directory: str | Path) -> GPTModel:
             f"cannot read the weights in {directory}: they are truncated or damaged "
             f"({type(err).__name__}: {str(err)[:200]}); download them again"
         ) from None
-    return from_hf_state_dict(state, hf_config)
+    return hf_config, state
 
 
 def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
               ) -> Path:
-    """Write `model` as a GPT-2 directory that `transformers` loads.
+    """Write `model` as a GPT-2 directory that `transformers` loads (a model of Llama's
+    architecture, rotary + SwiGLU, as a Llama directory: gptmini.llama.export_llama).
 
     The directory holds `config.json` and `model.safetensors`, and
     `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,
@@ -283,24 +293,38 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
         ValueError: the model uses grouped-query or sliding-window attention, or
             `tokenizer` does not have the model's number of ids.
     """
+    if model.cfg.position == "rope" and model.cfg.mlp == "swiglu":
+        from gptmini.llama import export_llama  # Llama's architecture: Llama's layout
+
+        return export_llama(model, directory, tokenizer)
     hf_config = config_to_hf(model.cfg)
-    if tokenizer is not None:
-        if tokenizer.n_vocab != model.cfg.vocab_size:
-            raise ValueError(
-                f"the tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the model "
-                f"{model.cfg.vocab_size}: export the tokenizer the model was trained with "
-                "(load_checkpoint(path).tokenizer)"
-            )
-        hf_config.update(bos_token_id=tokenizer.eot_token, eos_token_id=tokenizer.eot_token)
     state = {k: v.cpu() for k, v in to_hf_state_dict(model).items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        write_tokenizer_files(model, tokenizer, directory, hf_config)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if tokenizer is not None:
-        (directory / "tokenizer.json").write_text(json.dumps(to_hf_tokenizer(tokenizer)))
-        end = tokenizer.decode_single_token_bytes(tokenizer.eot_token).decode()
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end,
-                    "eos_token": end, "model_max_length": model.cfg.context_length}
-        (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     return directory
+
+
+def write_tokenizer_files(model: GPTModel, tokenizer: Encoding, directory: Path,
+                          hf_config: dict) -> None:
+    """`tokenizer.json` and `tokenizer_config.json` for `AutoTokenizer`, and the end token
+    as the config's bos/eos ids.
+
+    Raises:
+        ValueError: `tokenizer` does not have the model's number of ids.
+    """
+    if tokenizer.n_vocab != model.cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the model "
+            f"{model.cfg.vocab_size}: export the tokenizer the model was trained with "
+            "(load_checkpoint(path).tokenizer)"
+        )
+    hf_config.update(bos_token_id=tokenizer.eot_token, eos_token_id=tokenizer.eot_token)
+    (directory / "tokenizer.json").write_text(json.dumps(to_hf_tokenizer(tokenizer)))
+    end = tokenizer.decode_single_token_bytes(tokenizer.eot_token).decode()
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end,
+                "eos_token": end, "model_max_length": model.cfg.context_length}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")

@@ -64,10 +64,10 @@ class SwiGLU(nn.Module):
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
-    """LayerNorm (the book's, eps 1e-5) or RMSNorm, over emb_dim."""
+    """LayerNorm (the book's) or RMSNorm, over emb_dim."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.emb_dim, eps=1e-5)
-    return nn.LayerNorm(cfg.emb_dim, eps=1e-5, bias=cfg.bias)
+        return nn.RMSNorm(cfg.emb_dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class TransformerBlock(nn.Module):

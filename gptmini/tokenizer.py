@@ -297,7 +297,7 @@ def from_hf_tokenizer(data: dict, name: str = "hf") -> tiktoken.Encoding:
         pattern = next(GPT2_PATTERN if p["type"] == "ByteLevel" else p["pattern"]["Regex"]
                        for p in steps if p["type"] == "Split"
                        or (p["type"] == "ByteLevel" and p.get("use_regex", True)))
-    except (KeyError, TypeError, StopIteration) as err:
+    except (KeyError, TypeError, AttributeError, StopIteration) as err:
         raise ValueError(f"not a byte-level BPE tokenizer.json with a split pattern ({err!r})"
                          ) from None
     return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,

@@ -258,7 +258,9 @@ def test_an_alibi_models_cache_and_engine_agree_with_recomputing(tiny_config):
 def test_a_modern_model_is_not_exported_to_gpt2s_layout(tiny_config, tmp_path):
     from gptmini.convert import export_hf
 
-    model = GPTModel(modern(tiny_config))
-    with pytest.raises(ValueError, match="position='rope', norm='rmsnorm', mlp='swiglu', "
+    model = GPTModel(modern(tiny_config, mlp="relu2"))
+    with pytest.raises(ValueError, match="position='rope', norm='rmsnorm', mlp='relu2', "
                                          "qk_norm=True, bias=False.*book's options"):
         export_hf(model, tmp_path / "hf")
+    with pytest.raises(ValueError, match="Llama's layout.*this model has qk_norm=True"):
+        export_hf(GPTModel(modern(tiny_config)), tmp_path / "llama")

@@ -1,0 +1,107 @@
+"""Llama-layout weights both ways: a GPTModel with Llama's options against transformers'
+own LlamaForCausalLM, logits within 1e-5 in float32 and identical greedy tokens."""
+
+import json
+
+import pytest
+import torch
+
+from gptmini.checkpoint import load_checkpoint
+from gptmini.convert import export_hf, load_hf
+from gptmini.generation import generate
+from gptmini.llama import config_from_llama, interleaved_to_halves
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.positions import apply_rope, rope_angles
+from gptmini.tokenizer import get_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 80, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 500.0, "tie_word_embeddings": False}
+
+
+def hf_llama(**overrides):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**LLAMA, **overrides})
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random norms too, so a swapped norm cannot pass unseen
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_a_transformers_llama_loads_with_equal_logits_and_greedy_tokens(tmp_path):
+    hf = hf_llama()
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    cfg = ours.cfg
+    assert (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.n_kv_heads, cfg.rope_theta,
+            cfg.norm_eps, cfg.tie_weights) == ("rope", "rmsnorm", "swiglu", False, 2, 500.0,
+                                               1e-6, False)
+    ids = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+    prompt = ids[:1, :5]
+    want = hf.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                       pad_token_id=0)
+    assert torch.equal(generate(ours, prompt, 20, use_cache=True), want)
+
+
+def test_a_gptmini_llama_exports_to_transformers_with_equal_logits(tmp_path):
+    cfg = GPTConfig(vocab_size=257, context_length=64, emb_dim=32, n_heads=4, n_kv_heads=1,
+                    n_layers=2, drop_rate=0.0, position="rope", norm="rmsnorm", mlp="swiglu",
+                    bias=False, tie_weights=False, rope_theta=1000.0)
+    torch.manual_seed(1)
+    ours = GPTModel(cfg).eval()
+    export_hf(ours, tmp_path, get_tokenizer("byte"))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 257, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+    prompt = ids[:1, :4]
+    want = hf.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                       pad_token_id=0)
+    assert torch.equal(generate(ours, prompt, 16, use_cache=True), want)
+    loaded = load_checkpoint(tmp_path)  # and back, with its vocabulary
+    assert loaded.tokenizer.encode("to be") == get_tokenizer("byte").encode("to be")
+    torch.testing.assert_close(loaded.model(ids), ours(ids))
+
+
+def test_metas_interleaved_rotation_is_ours_after_permuting_the_rows():
+    """Meta's layout rotates pairs (2i, 2i + 1); permuting each head's query rows makes our
+    halves rotation compute the same vectors."""
+    heads, head_dim, d_in = 2, 8, 6
+    weight = torch.randn(heads * head_dim, d_in, dtype=torch.float64)
+    x = torch.randn(5, d_in, dtype=torch.float64)
+    positions = torch.arange(5)
+    # Meta's: each head's vector as complex pairs (2i, 2i + 1), turned by position * w_i
+    meta = (x @ weight.T).view(5, heads, head_dim // 2, 2)
+    w = torch.tensor([10000.0 ** (-2 * i / head_dim) for i in range(head_dim // 2)],
+                     dtype=torch.float64)
+    turn = torch.polar(torch.ones(5, 1, head_dim // 2, dtype=torch.float64),
+                       positions[:, None, None] * w)
+    meta = torch.view_as_real(torch.view_as_complex(meta.contiguous()) * turn)  # (5,h,d/2,2)
+    meta_halves = meta.transpose(-1, -2).reshape(5, heads, head_dim)  # reals, then imags
+    ours = (x @ interleaved_to_halves(weight, heads).T).view(5, heads, head_dim)
+    cos, sin = rope_angles(positions[None], head_dim, dtype=torch.float64)
+    rotated = apply_rope(ours.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+    torch.testing.assert_close(rotated, meta_halves)
+
+
+def test_what_gptmini_cannot_load_is_named(tmp_path):
+    with pytest.raises(ValueError, match="rope scaling 'llama3'"):
+        config_from_llama({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="attention_bias/mlp_bias"):
+        config_from_llama({**LLAMA, "attention_bias": True})
+    hf_llama().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no tokenizer.json: a Llama directory brings its own"):
+        load_checkpoint(tmp_path)
+    sentencepiece = {"model": {"type": "Unigram", "vocab": [["<unk>", 0.0]]},
+                     "pre_tokenizer": {"type": "Metaspace"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(sentencepiece))
+    with pytest.raises(ValueError, match="tiktoken, which represents byte-level BPE.*a Unigram "
+                                         "model.*SentencePiece vocabularies such as Llama 2's"):
+        load_checkpoint(tmp_path)
