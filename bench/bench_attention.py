@@ -5,9 +5,13 @@ a document + window mask (documents of 128 to 1024 tokens, window 512). Each cas
 fresh process, so its peak memory is its own (the maximum resident size above the inputs).
 flex has no backward on CPU, so there it times the forward pass alone; the explicit path is
 skipped past 8k, where its score matrices would not fit. tiled-noskip is the tiled kernel
-computing every tile (masked) instead of skipping those the mask hides.
+computing every tile (masked) instead of skipping those the mask hides. The modern rows
+are causal with rotary queries and keys (causal+rope), ALiBi's bias (causal+alibi: SDPA
+takes it as a float mask) and soft-capped scores (causal+softcap: SDPA has no hook for it,
+so that backend computes the scores itself).
 
     python bench/bench_attention.py [--lengths 1024 2048 4096 8192 16384] [--device cpu]
+                                    [--masks causal document+window causal+rope ...]
 """
 
 import argparse
@@ -27,11 +31,14 @@ from gptmini.flash import tiled_attention
 
 backend, mask, n, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
-mha = MultiHeadAttention(256, 256, n, 0.0, num_heads=4, window_size=512 if mask != "causal"
-                         else None, backend=backend.removesuffix("-noskip")).to(device)
+options = {"rope": {"rope_theta": 10000.0}, "alibi": {"alibi": True},
+           "softcap": {"softcap": 50.0}}.get(mask.removeprefix("causal+"), {})
+mha = MultiHeadAttention(256, 256, n, 0.0, num_heads=4, window_size=512
+                         if mask == "document+window" else None,
+                         backend=backend.removesuffix("-noskip"), **options).to(device)
 x = torch.randn(1, n, 256, device=device, requires_grad=backend != "flex")
 documents = None
-if mask != "causal":
+if mask == "document+window":
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(128, 1025, (n // 128 + 1,), generator=gen)
     documents = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:n][None].to(device)
@@ -63,6 +70,7 @@ print(json.dumps({"seconds": min(times), "peak_mb": peak / 1024}))
 """
 
 BACKENDS = ["explicit", "sdpa", "flex", "tiled", "tiled-noskip"]
+MASKS = ["causal", "document+window", "causal+rope", "causal+alibi", "causal+softcap"]
 
 
 def run(backend: str, mask: str, n: int, device: str) -> dict | None:
@@ -81,6 +89,9 @@ def main():
                         default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backends", nargs="+", default=BACKENDS)
+    parser.add_argument("--masks", nargs="+", default=MASKS,
+                        help="causal, document+window, and causal with one modern option: "
+                             "causal+rope, causal+alibi (a float bias), causal+softcap")
     args = parser.parse_args()
     import torch
 
@@ -89,7 +100,7 @@ def main():
           f"{os.environ.get('OMP_NUM_THREADS', 'all')} threads; float32, batch 1, 4 heads of 64")
     print("cells: seconds for forward + backward (flex on CPU: forward only) / peak MB above "
           "the inputs\n")
-    for mask in ("causal", "document+window"):
+    for mask in args.masks:
         print(f"mask: {mask}")
         print(f"{'length':>7}" + "".join(f"{b:>22}" for b in args.backends))
         results = {}

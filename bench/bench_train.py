@@ -5,7 +5,12 @@ default run's), same AdamW and schedule, same data windows. Prints the CPU and i
 flags, the matmul peak measured here for each precision, and for each precision the
 tokens/s and MFU of both paths, the overhead of Lightning, and bf16's speed-up.
 
+With --options, the plain loop also trains the default run's shape (context 128, its
+4,096-token vocabulary, random tokens) with each modern option alone and all together, in
+alternating rounds, and prints tokens/s against the book's blocks and the parameter count.
+
     python bench/bench_train.py [--steps 40] [--warmup 8] [--context 256] [--precision both]
+                                [--options] [--rounds 3]
 """
 
 import argparse
@@ -57,10 +62,58 @@ def lightning_tokens_per_sec(steps: int, warmup: int, root: str, context: int, p
     return timer.steps * BATCH * context / timer.seconds, cli
 
 
-def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precision: str) -> float:
+OPTIONS = {  # name: GPTConfig fields over the book's blocks
+    "book (learned, LayerNorm, GELU)": {},
+    "position rope": {"position": "rope"},
+    "position alibi": {"position": "alibi"},
+    "position none": {"position": "none"},
+    "norm rmsnorm": {"norm": "rmsnorm"},
+    "mlp swiglu": {"mlp": "swiglu"},
+    "mlp relu2": {"mlp": "relu2"},
+    "qk_norm": {"qk_norm": True},
+    "attn_softcap 50": {"attn_softcap": 50.0},
+    "modern-cpu.yaml (all but softcap)": {"position": "rope", "norm": "rmsnorm",
+                                          "mlp": "swiglu", "qk_norm": True, "bias": False,
+                                          "tie_weights": False},
+}
+
+
+def random_batches(vocab: int, context: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        ids = torch.randint(0, vocab, (BATCH, context + 1), generator=gen)
+        yield ids[:, :-1], ids[:, 1:]
+
+
+def option_rates(steps: int, warmup: int, rounds: int, precision: str) -> None:
+    """The modern options at the default run's shape, alternating rounds, medians."""
+    from statistics import median
+
+    context, vocab = 128, 4096
+    rates: dict[str, list[float]] = {name: [] for name in OPTIONS}
+    for _ in range(rounds):
+        for name, fields in OPTIONS.items():
+            rates[name].append(plain_tokens_per_sec(steps, warmup, random_batches(vocab, context),
+                                                    context, precision, vocab_size=vocab,
+                                                    **fields))
+    base = median(rates[next(iter(OPTIONS))])
+    print(f"\noptions at the default run's shape ({SHAPE}, context {context}, vocab {vocab}, "
+          f"batch {BATCH}), {precision}, plain loop, median of {rounds} alternating rounds")
+    print(f"{'option':<36}{'params':>10}{'tokens/s':>10}{'vs book':>9}{'spread':>9}")
+    for name, fields in OPTIONS.items():
+        cfg = GPTConfig(vocab_size=vocab, context_length=context, **SHAPE,
+                        **{"tie_weights": True, **fields})
+        params = sum(p.numel() for p in GPTModel(cfg).parameters())
+        mid = median(rates[name])
+        spread = (max(rates[name]) - min(rates[name])) / mid
+        print(f"{name:<36}{params:>10,}{mid:>10.0f}{mid / base - 1:>+9.1%}{spread:>9.1%}")
+
+
+def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precision: str,
+                         vocab_size: int = 50257, **fields) -> float:
     torch.manual_seed(1234)
-    cfg = GPTConfig(vocab_size=50257, drop_rate=0.0, tie_weights=True, context_length=context,
-                    **SHAPE)
+    cfg = GPTConfig(vocab_size=vocab_size, drop_rate=0.0, context_length=context,
+                    **SHAPE, **{"tie_weights": True, **fields})
     model = GPTModel(cfg).train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
@@ -94,6 +147,11 @@ def main():
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--precision", choices=["both", "32-true", "bf16-mixed"],
                         default="both", help="both: bf16-mixed too where the CPU has bf16 units")
+    parser.add_argument("--options", action="store_true",
+                        help="also time each modern option at the default run's shape")
+    parser.add_argument("--only_options", action="store_true",
+                        help="time only the options (not train.py against the plain loop)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
     # Both paths run in this process, so both get what train.py does: freed memory is kept
@@ -115,6 +173,11 @@ def main():
     print(f"model: {SHAPE}, context {args.context}, batch {BATCH}, "
           f"{flops / 1e6:.1f} MFLOP per trained token (6N + 12*L*T*d)")
 
+    if args.options or args.only_options:
+        for precision in precisions:
+            option_rates(args.steps, args.warmup, args.rounds, precision)
+    if args.only_options:
+        return
     rates = {}
     with tempfile.TemporaryDirectory() as root:
         for precision in precisions:

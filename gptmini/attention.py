@@ -264,6 +264,7 @@ class MultiHeadAttention(nn.Module):
         kv_cache: BaseKVCache | None = None,
         return_weights: bool = False,
         context: AttentionContext | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend over `x` (and the cached tokens before it).
 
@@ -279,6 +280,8 @@ class MultiHeadAttention(nn.Module):
             context: the forward pass's AttentionContext, built once by the model for
                 every layer; then attention_mask and document_ids are already in it. None:
                 built here from the arguments above.
+            positions: (b, num_tokens) positions of x's tokens, where they are not 0, 1, ...
+                after the cache (rotary attention called alone); None: counted as usual.
 
         Returns:
             (b, num_tokens, d_out), and with `return_weights` the weights
@@ -294,7 +297,7 @@ class MultiHeadAttention(nn.Module):
                 "tokens"
             )
         context = self._check_context(context, b, num_tokens, num_cached, attention_mask,
-                                      document_ids, kv_cache is not None, x.device)
+                                      document_ids, kv_cache is not None, x.device, positions)
         queries = self.W_query(x)  # (b, num_tokens, d_out)
         keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
         values = self.W_value(x)
@@ -335,16 +338,16 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def _check_context(self, context, b, num_tokens, num_cached, attention_mask, document_ids,
-                       uses_cache, device) -> AttentionContext:
+                       uses_cache, device, positions) -> AttentionContext:
         if context is None:
             return AttentionContext.build(
                 b, num_tokens, num_cached, causal=self.causal, window_size=self.window_size,
                 attention_mask=attention_mask, document_ids=document_ids,
                 uses_cache=uses_cache, alibi_heads=self.num_heads if self.alibi else None,
-                softcap=self.softcap, device=device)
-        if attention_mask is not None or document_ids is not None:
-            raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
-                             "not beside a context that already holds its masks")
+                softcap=self.softcap, positions=positions, device=device)
+        if attention_mask is not None or document_ids is not None or positions is not None:
+            raise ValueError("pass attention_mask, document_ids and positions to "
+                             "AttentionContext.build, not beside a context that holds them")
         if (context.batch, context.num_tokens, context.num_keys) != (
                 b, num_tokens, num_cached + num_tokens):
             raise ValueError(

@@ -94,7 +94,7 @@ def test_a_context_built_for_another_layer_or_shape_is_refused():
     with pytest.raises(ValueError, match=r"built for \(batch, num_tokens, num_keys\) = "
                                          r"\(1, 6, 6\)"):
         mha(x, context=AttentionContext.build(1, 6, window_size=4))
-    with pytest.raises(ValueError, match="not beside a context"):
+    with pytest.raises(ValueError, match="not beside a context that holds them"):
         mha(x, torch.ones(1, 5), context=AttentionContext.build(1, 5, window_size=4))
     context = AttentionContext.build(1, 5, window_size=4)
     torch.testing.assert_close(mha(x, context=context), mha(x))
