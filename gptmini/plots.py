@@ -11,7 +11,8 @@ and columns of left padding all in place.
     load_metrics        a run's CSV metrics, merged over the logger's version folders
     plot_curves         train/val loss and learning rate against steps, written to a PNG
 
-matplotlib is optional (`pip install 'gptmini[plot]'`). Figures are built with the
+matplotlib is a dependency, imported only when a picture is drawn (an install without it
+still trains: `pip install matplotlib` to draw). Figures are built with the
 object-oriented API and the Agg canvas, never pyplot, so plotting neither opens windows nor
 changes the backend of a notebook that imports this module.
 """
@@ -39,7 +40,7 @@ __all__ = [
     "token_labels",
 ]
 
-PLOT_INSTALL_HINT = "pip install 'gptmini[plot]'"
+PLOT_INSTALL_HINT = "pip install matplotlib"
 PAD_LABEL = "<pad>"
 # Visible stand-ins for whitespace, so " the" and "the" do not look alike on an axis.
 _VISIBLE_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})

@@ -44,7 +44,7 @@ def test_missing_matplotlib_names_the_install_command(model, tokenizer, run_dir,
 
     callback = AttentionMapCallback(every_n_steps=1)
     trainer, module = fake_trainer(tmp_path, model)
-    with pytest.warns(UserWarning, match="gptmini\\[plot\\]"):
+    with pytest.warns(UserWarning, match=PLOT_INSTALL_HINT):
         callback.on_fit_start(trainer, module)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, then silent
