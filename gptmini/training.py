@@ -40,6 +40,7 @@ from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
+from gptmini.report import RunReport
 from gptmini.tokenizer import FORMAT, load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
@@ -108,6 +109,7 @@ class GPTCLI(LightningCLI):
                            mode="min", save_top_k=1, enable_version_counter=False),
             StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
+            RunReport(run_dir(self), cfg.sample_prompt),  # printed when the run ends
         ]
         if cfg.trainer.enable_progress_bar is not False:
             # Refreshing reads the logged values off the device: only when they are logged.
