@@ -1,0 +1,13 @@
+"""Score a checkpoint: loss, perplexity and bits per byte on the run's whole validation split
+or any text, and accuracy on multiple-choice tasks in HellaSwag's layout.
+
+    python evaluate.py --checkpoint runs/shakespeare-cpu/checkpoints/best.ckpt
+    python evaluate.py --checkpoint runs/.../best.ckpt --choices hellaswag_val.jsonl
+
+All the logic is in `gptmini.evaluate`; `python evaluate.py -h` lists the options.
+"""
+
+from gptmini.evaluate import evaluate_main as main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
