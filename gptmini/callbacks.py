@@ -131,7 +131,7 @@ class StopOnSignal(Callback):
             return  # no signal, or the step in progress can still finish in time
         if not stepped:  # out of time mid-accumulation: back to the last completed step
             self._roll_back(trainer, self._watch.since_step)
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # None logs that it was unset
         raise RunInterrupted(signum, trainer.global_step, self.path)
 
     def _agree(self, trainer: Trainer, pl_module: LightningModule) -> tuple[int, bool]:
