@@ -279,8 +279,8 @@ def test_a_constructor_of_its_own_is_told_to_pass_a_factory():
             mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
             return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
 
-    with pytest.raises(ValueError, match=r"Mine: RuntimeError: .* It was built as Mine\(\) and given "
-                                         r"inputs of width d_in=8: .* pass a factory"):
+    with pytest.raises(ValueError, match=r"Mine: RuntimeError: .* It was built as Mine\(\) and "
+                                         r"given inputs of width d_in=8: .* pass a factory"):
         check_attention(Mine)
     report = check_attention(lambda: Mine(hidden=8, heads=2), AttentionSpec(d_in=8, num_heads=2))
     assert report["causality"].status == "passed"
