@@ -7,7 +7,11 @@ or any text, and accuracy on multiple-choice tasks in HellaSwag's layout.
 All the logic is in `gptmini.evaluate`; `python evaluate.py -h` lists the options.
 """
 
-from gptmini.evaluate import evaluate_main as main
+from gptmini.threads import sleep_when_idle
+
+sleep_when_idle()  # before torch loads OpenMP: a shared CPU keeps its fair share
+
+from gptmini.evaluate import evaluate_main as main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())
