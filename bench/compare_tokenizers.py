@@ -5,17 +5,16 @@ default config (`python train.py`: the embedded Shakespeare, 4 layers, 256 wide,
 128, the default precision) for the same wall-clock budget on this machine, alone on it.
 A short calibration run first measures each one's step time, so that its step count (and
 with it the cosine schedule) ends at the budget; `--trainer.max_time` guards it. After
-training, the last checkpoint is scored on the whole validation split (every window, not
-the run's 20 batches): bits per byte = summed nats / summed bytes of the target tokens /
-ln 2. Printed per tokenizer: vocabulary, bytes per token, steps, time, train tok/s,
-validation bpb, and a sample from the same prompt and seed.
+training, the last checkpoint is scored on the whole validation split as `evaluate.py`
+scores it (every token, not the run's 20 batches): bits per byte = summed nats / summed
+bytes of the target tokens / ln 2. Printed per tokenizer: vocabulary, bytes per token,
+steps, time, train tok/s, validation bpb, and a sample from the same prompt and seed.
 
     python bench/compare_tokenizers.py [--minutes 4] [--tokenizers gpt2 bpe:2048 ...]
 """
 
 import argparse
 import csv
-import math
 import os
 import subprocess
 import sys
@@ -27,10 +26,9 @@ import torch
 from machine import cpu_description
 
 from gptmini.checkpoint import load_checkpoint
-from gptmini.data import GPTDataModule
+from gptmini.evaluate import run_data_settings, score_text, text_tokens
 from gptmini.generation import generate
 from gptmini.precision import auto_precision
-from gptmini.tokenizer import token_byte_lengths
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "ROMEO:"
@@ -59,24 +57,14 @@ def last(rows: list[dict], key: str) -> float:
     return [float(r[key]) for r in rows if r.get(key)][-1]
 
 
-@torch.no_grad()
-def score(run: Path, cache: Path) -> tuple[float, float]:
-    """(bits per byte, bytes per token) of the last checkpoint over every validation window."""
-    loaded = load_checkpoint(run / "checkpoints" / "last.ckpt")
-    model, enc = loaded.model, loaded.tokenizer
-    tokenizer = str(run / "tokenizer.json") if (run / "tokenizer.json").is_file() else enc.name
-    data = GPTDataModule(tokenizer=tokenizer, max_length=model.cfg.context_length,
-                         cache_dir=str(cache), batch_size=16)
-    data.setup()
-    lengths = torch.tensor(token_byte_lengths(enc))
-    nats = num_bytes = 0.0
-    for inputs, targets in torch.utils.data.DataLoader(data.val_dataset, batch_size=16):
-        per_token = model(inputs, targets=targets, reduction="none")
-        weights = lengths[targets]
-        nats += float((per_token * (weights > 0)).double().sum())
-        num_bytes += float(weights.sum())
-    return nats / num_bytes / math.log(2), num_bytes / sum(
-        len(t) for t, _ in data.val_dataset)
+def score(run: Path) -> tuple[float, float]:
+    """(bits per byte, bytes per token) of the last checkpoint over the whole validation
+    split, as `evaluate.py --checkpoint` scores it."""
+    path = run / "checkpoints" / "last.ckpt"
+    model, enc, _ = load_checkpoint(path)
+    tokens, _ = text_tokens(None, enc, run_data_settings(path))
+    scored = score_text(model, enc, tokens, batch_size=16, progress=False)
+    return scored.bpb, scored.bytes / scored.tokens
 
 
 def sample(run: Path) -> str:
@@ -114,7 +102,7 @@ def main():
             step_seconds = 8 * 128 / last(rows, "train/tokens_per_sec")
             steps = int(budget * 0.97 / step_seconds)  # 3%: validations, checkpoints, samples
             run, rows, took = train(root, name, tokenizer, steps, budget + 60, *extra)
-            bpb, bytes_per_token = score(run, root / "cache")
+            bpb, bytes_per_token = score(run)
             results.append((tokenizer, load_checkpoint(run / "checkpoints" / "last.ckpt")
                             .tokenizer.n_vocab, bytes_per_token, last(rows, "step"), took,
                             last(rows, "train/tokens_per_sec"), last(rows, "val/loss"), bpb))

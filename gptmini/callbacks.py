@@ -3,6 +3,7 @@ attention maps and the progress bar."""
 
 import math
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.lit_module import GPTLitModule, StepWatch, rng_states, set_rng_states
@@ -129,7 +131,7 @@ class StopOnSignal(Callback):
             return  # no signal, or the step in progress can still finish in time
         if not stepped:  # out of time mid-accumulation: back to the last completed step
             self._roll_back(trainer, self._watch.since_step)
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # None logs that it was unset
         raise RunInterrupted(signum, trainer.global_step, self.path)
 
     def _agree(self, trainer: Trainer, pl_module: LightningModule) -> tuple[int, bool]:
@@ -212,8 +214,10 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar: loss, lr, tokens/s, val loss and bits per byte under short
-    names, each in a format that shows its digits, and "Epoch N" (never Rich's "Epoch 0/-2").
+    """Lightning's tqdm bar, counting optimizer steps out of the run's (`max_steps`) with an
+    ETA, one bar across epochs and resumes (Lightning's counts the batches of each epoch,
+    and after a resume showed "1000/?"); loss, lr, tokens/s, val loss and bits per byte
+    under short names, each in a format that shows its digits.
 
     The loss is a tensor on the device, so it is not a prog_bar metric (Lightning would read
     it after every batch); the bar reads it here, when it refreshes: at logging steps.
@@ -226,6 +230,29 @@ class ProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1):
         super().__init__(refresh_rate=refresh_rate)
         self._shown: dict[str, str] = {}
+        self._steps_shown = 0
+
+    def on_train_start(self, trainer: Trainer, *_: Any) -> None:
+        total = trainer.estimated_stepping_batches  # optimizer steps: max_steps when set
+        # Resumed at step N: the bar starts at N, and its rate (so the ETA) counts from there.
+        self.train_progress_bar = Tqdm(
+            desc="Training", total=total if math.isfinite(total) else None,
+            initial=trainer.global_step, position=2 * self.process_position,
+            disable=self.is_disabled, leave=True, dynamic_ncols=True, file=sys.stdout,
+            smoothing=0, bar_format=self.BAR_FORMAT)
+        self._steps_shown = trainer.global_step
+
+    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
+        pass  # one bar for the whole run, whatever the epoch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        every = max(1, self.refresh_rate // max(1, trainer.accumulate_grad_batches))
+        if step != self._steps_shown and (step % every == 0 or step == bar.total):
+            self._steps_shown = step
+            if not bar.disable:
+                bar.n = step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
         metrics = super().get_metrics(trainer, pl_module)

@@ -11,7 +11,8 @@ and columns of left padding all in place.
     load_metrics        a run's CSV metrics, merged over the logger's version folders
     plot_curves         train/val loss and learning rate against steps, written to a PNG
 
-matplotlib is optional (`pip install 'gptmini[plot]'`). Figures are built with the
+matplotlib is a dependency, imported only when a picture is drawn (an install without it
+still trains: `pip install matplotlib` to draw). Figures are built with the
 object-oriented API and the Agg canvas, never pyplot, so plotting neither opens windows nor
 changes the backend of a notebook that imports this module.
 """
@@ -41,7 +42,7 @@ __all__ = [
     "token_labels",
 ]
 
-PLOT_INSTALL_HINT = "pip install 'gptmini[plot]'"
+PLOT_INSTALL_HINT = "pip install matplotlib"
 PAD_LABEL = "<pad>"
 # Visible stand-ins for whitespace, so " the" and "the" do not look alike on an axis.
 _VISIBLE_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
@@ -320,10 +321,11 @@ def plot_curves(
     run_dir: str | Path,
     out: str | Path = "curves.png",
     *,
-    figsize: tuple[float, float] = (8.0, 6.0),
+    figsize: tuple[float, float] = (8.0, 8.0),
     dpi: int = 100,
 ) -> Path:
-    """Train and validation loss (top) and learning rate (bottom) against optimizer steps.
+    """Train and validation loss (top), validation bits per byte (middle) and learning rate
+    (bottom) against optimizer steps.
 
     Args:
         run_dir: see `load_metrics`.
@@ -349,7 +351,7 @@ def plot_curves(
             f"{', '.join(sorted(metrics)) or 'none'}); train for at least log_every_n_steps"
         )
     fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
-    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
     if "train/loss" in metrics:
         loss_ax.plot(*metrics["train/loss"], lw=1.0, alpha=0.8, label="train loss")
     if "val/loss" in metrics:
@@ -359,6 +361,12 @@ def plot_curves(
         loss_ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
     loss_ax.set_ylabel("cross-entropy (nats/token)")
     loss_ax.legend()
+    if "val/bpb" in metrics:  # compares runs whatever their tokenizers
+        bpb_ax.plot(*metrics["val/bpb"], "o-", color="tab:orange", ms=3.5, lw=1.5)
+    else:
+        bpb_ax.text(0.5, 0.5, "no val/bpb logged", ha="center", va="center",
+                    transform=bpb_ax.transAxes)
+    bpb_ax.set_ylabel("val bits per byte")
     if "train/lr" in metrics:
         lr_ax.plot(*metrics["train/lr"], color="tab:green", lw=1.2)
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
@@ -367,7 +375,7 @@ def plot_curves(
                    transform=lr_ax.transAxes)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("step")
-    for ax in (loss_ax, lr_ax):
+    for ax in (loss_ax, bpb_ax, lr_ax):
         ax.grid(alpha=0.3)
         for step in resumes:
             ax.axvline(step, color="gray", ls=":", lw=1)

@@ -11,10 +11,12 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
 import ctypes
 import ctypes.util
 import difflib
+import logging
 import netrc
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
+from gptmini.report import RunReport
 from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
@@ -108,6 +111,7 @@ class GPTCLI(LightningCLI):
                            mode="min", save_top_k=1, enable_version_counter=False),
             StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
+            RunReport(run_dir(self), cfg.sample_prompt),  # printed when the run ends
         ]
         if cfg.trainer.enable_progress_bar is not False:
             # Refreshing reads the logged values off the device: only when they are logged.
@@ -252,8 +256,27 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def _not_an_advert(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_lightning() -> None:
+    """Silence what Lightning prints that is no user's to act on: start-up adverts for its
+    cloud products (litlogger, litmodels), a deprecation warning its own code raises under
+    torch 2.13 (`isinstance(treespec, LeafSpec)`, at every resume), and "checkpoint
+    directory exists and is not empty" (a resume writes there by design; `fit` refuses a new
+    run over another's checkpoints). Narrow filters: every other message stays."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if _not_an_advert not in logger.filters:
+            logger.addFilter(_not_an_advert)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+
 def build_cli(args: list[str] | None = None) -> GPTCLI:
     """Parse the command line (or `args`) and build model, data and trainer."""
+    quiet_lightning()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # GPTConfig's field docs
     return GPTCLI(
         GPTLitModule,

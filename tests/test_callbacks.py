@@ -44,7 +44,7 @@ def test_missing_matplotlib_names_the_install_command(model, tokenizer, run_dir,
 
     callback = AttentionMapCallback(every_n_steps=1)
     trainer, module = fake_trainer(tmp_path, model)
-    with pytest.warns(UserWarning, match="gptmini\\[plot\\]"):
+    with pytest.warns(UserWarning, match=PLOT_INSTALL_HINT):
         callback.on_fit_start(trainer, module)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, then silent
@@ -181,3 +181,29 @@ def test_one_step_guard_fires_once_per_step_and_not_for_a_resumed_step():
     trainer.is_global_zero = False
     trainer.global_step = 14
     assert not guard.due(trainer)
+
+
+def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path, corpus,
+                                                                        capsys):
+    """Before: "Epoch 1: 850/860" (batches of each epoch), and "Training: 1000/?" without an
+    ETA after a resume. Now: steps out of max_steps, one bar, from the step resumed."""
+    import re
+
+    from helpers import tiny_args
+
+    from gptmini.training import main
+
+    args = tiny_args(tmp_path, corpus, "--trainer.enable_progress_bar", "true",
+                     "--trainer.max_steps", "20", "--trainer.log_every_n_steps", "5",
+                     "--data.batch_size", "16")  # about 2 epochs of the corpus
+    assert main(args) == 0
+    first = capsys.readouterr().out.replace("\r", "\n")
+    assert main([*args, "--trainer.max_steps", "30", "--ckpt_path", "last"]) == 0
+    second = capsys.readouterr().out.replace("\r", "\n")
+    shown = [re.findall(r"^Training:.*?\| *(\d+)/(\S+) \[[^<]*<([^,]*),", out, re.M)
+             for out in (first, second)]
+    assert [(n, total) for n, total, _ in shown[0]][-1] == ("20", "20")
+    assert {total for _, total, _ in shown[0]} == {"20"} and "Epoch" not in first
+    assert shown[1][0][:2] == ("20", "30") and shown[1][-1][:2] == ("30", "30")
+    assert {total for _, total, _ in shown[1]} == {"30"}
+    assert all(eta != "?" for n, _, eta in shown[1] if int(n) > 20)  # an ETA after resuming

@@ -194,6 +194,31 @@ def test_batch_file_writes_one_result_per_prompt_in_order(tmp_path, capsys):
     assert out[1]["text"] == text[:k] and out[1]["finish_reason"] == "stop"
 
 
+def test_batch_file_bar_counts_generated_tokens(tmp_path, capsys, monkeypatch):
+    """Before: the bar counted finished prompts and sat at 0/4 until the end; now it moves
+    with every token, and a prompt that stops early adds its unused budget."""
+    import tqdm
+
+    seen = []
+
+    class Bar(tqdm.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            seen.append((self.n, self.total))
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    ckpt = save_checkpoint(make_model(vocab_size=257), tmp_path / "byte.ckpt", tokenizer="byte")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "max_new_tokens": 5}) + "\n"
+                                      + json.dumps({"prompt": "b", "max_new_tokens": 7}) + "\n")
+    assert generate_main(["--checkpoint", str(ckpt), "--batch_file", str(tmp_path / "p.jsonl"),
+                          "--temperature", "0"]) == 0
+    assert {total for _, total in seen} == {12}
+    positions = [n for n, _ in seen]
+    assert positions == sorted(positions) and positions[-1] == 12
+    assert len(set(positions)) >= 5  # token by token, not prompt by prompt
+    assert "generating" in capsys.readouterr().err
+
+
 def test_batch_file_errors_name_the_line(tmp_path, capsys):
     ckpt = save_checkpoint(make_model(vocab_size=257), tmp_path / "byte.ckpt", tokenizer="byte")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"promt": "b"}\n')

@@ -130,7 +130,7 @@ def test_metrics_merge_versions_and_resumed_steps_replace_the_first_attempt(run_
 
 def test_plot_curves_writes_a_png(run_dir, tmp_path):
     out = plot_curves(run_dir, tmp_path / "curves.png")
-    assert png_size(out) == (800, 600)
+    assert png_size(out) == (800, 800)
     assert png_size(plot_curves(run_dir, tmp_path / "small.png", figsize=(4, 3), dpi=50)) == (
         200,
         150,

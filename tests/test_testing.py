@@ -266,6 +266,26 @@ def test_errors_are_one_line_and_name_the_target():
         check_attention(functools.partial(MultiHeadAttention, backend="fast"))
 
 
+def test_a_constructor_of_its_own_is_told_to_pass_a_factory():
+    """Before: a bare "mat1 and mat2 shapes cannot be multiplied"."""
+
+    class Mine(nn.Module):
+        def __init__(self, hidden: int = 16, heads: int = 2):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+
+        def forward(self, x):
+            n = x.shape[1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+    with pytest.raises(ValueError, match=r"Mine: RuntimeError: .* It was built as Mine\(\) and "
+                                         r"given inputs of width d_in=8: .* pass a factory"):
+        check_attention(Mine)
+    report = check_attention(lambda: Mine(hidden=8, heads=2), AttentionSpec(d_in=8, num_heads=2))
+    assert report["causality"].status == "passed"
+
+
 # --- the command line and the pytest plugin ----------------------------------------------
 
 MODULES = """

@@ -82,6 +82,53 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_a_run_and_its_resume_print_no_adverts_or_deprecation_warnings(tmp_path, corpus):
+    """Before: Lightning's litlogger advert at every start, and at every resume a
+    deprecation warning from its own code and "checkpoint directory is not empty"."""
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "4", "--checkpoint_every", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    printed = ""
+    for extra in ([], ["--trainer.max_steps", "6", "--ckpt_path", "last"]):
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args, *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        printed += proc.stdout + proc.stderr
+    assert "Restored all states" in printed  # the resume did happen
+    for noise in ("Tip:", "litlogger", "is deprecated", "exists and is not empty"):
+        assert noise not in printed
+
+
+def test_the_save_on_a_signal_says_nothing_of_weights_only(tmp_path, corpus):
+    """Before: "`weights_only` was not set, defaulting to `False`" at the save on Ctrl-C."""
+    import logging
+    import signal
+
+    from gptmini.callbacks import RunInterrupted
+
+    class Sigterm(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.DEBUG
+    try:
+        cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10"))
+        cli.trainer.callbacks.insert(0, Sigterm())
+        with pytest.raises(RunInterrupted):
+            fit(cli)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert (tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt").is_file()
+    assert not [r for r in records if "weights_only" in r.getMessage()]
+
+
+@pytest.mark.slow
 def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1")

@@ -93,10 +93,27 @@ def prepare(target: Callable[..., nn.Module] | str, spec: AttentionSpec | None =
     try:
         out = subject.call(subject.build(), subject.inputs(1, 3))
     except Exception as err:  # noqa: BLE001 - the user's code: any error, reported in one line
-        raise ValueError(f"cannot build and run {name}: {one_line(err)}") from err
+        raise ValueError(f"cannot build and run {name}: {one_line(err)}"
+                         f"{_factory_hint(name, subject)}") from err
     if not isinstance(out, Tensor):
         raise ValueError(f"{name} returned a {type(out).__name__}, not a tensor")
     return name, subject
+
+
+def _factory_hint(name: str, subject: Subject) -> str:
+    """A constructor without the book's arguments was built with what it accepts, and its
+    own sizes rarely match the kit's inputs ("mat1 and mat2 shapes cannot be multiplied"):
+    say how it was built and that a factory fixes it."""
+    if subject.book_constructor:
+        return ""
+    given = ", ".join(f"{k}={v}" for k, v in subject.constructor_kwargs().items())
+    short = name.rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+    return (f". It was built as {short}({given}) and given inputs of width "
+            f"d_in={subject.d_in}: for a constructor that does not take the book's (d_in, "
+            "d_out, context_length, dropout, num_heads), pass a factory that builds it at the "
+            f"kit's sizes, e.g. check_attention(lambda: {short}(<its width>={subject.d_in}, "
+            f"<its heads>={subject.num_heads}), AttentionSpec(d_in={subject.d_in}, "
+            f"num_heads={subject.num_heads}))")
 
 
 def describe(subject: Subject) -> str:

@@ -81,6 +81,12 @@ class Subject:
     def takes(self, name: str) -> bool:
         return name in self.accepts or (self.any_keyword and name in BOOK_ARGS + ("qkv_bias",))
 
+    def constructor_kwargs(self, *, dropout: float = 0.0, **sizes) -> dict:
+        """What the target is called with: the book's arguments it accepts, at the kit's sizes."""
+        values = {"d_in": self.d_in, "d_out": self.d_out, "context_length": self.context_length,
+                  "dropout": dropout, "num_heads": self.num_heads, "qkv_bias": False, **sizes}
+        return {k: v for k, v in values.items() if self.takes(k)}
+
     def build(self, *, dropout: float = 0.0, seed: int = 0, window: bool = True,
               dtype: torch.dtype | None = None, **sizes) -> nn.Module:
         """The module, seeded, in eval mode, in the kit's dtype and device.
@@ -88,9 +94,7 @@ class Subject:
         Raises:
             NotApplicable: the target takes no dropout (and dropout > 0 was asked).
         """
-        values = {"d_in": self.d_in, "d_out": self.d_out, "context_length": self.context_length,
-                  "dropout": dropout, "num_heads": self.num_heads, "qkv_bias": False, **sizes}
-        kwargs = {k: v for k, v in values.items() if self.takes(k)}
+        kwargs = self.constructor_kwargs(dropout=dropout, **sizes)
         if dropout > 0 and not self.takes("dropout"):
             raise NotApplicable("it takes no dropout argument")
         if window and self.spec.window is not None:

@@ -1,0 +1,45 @@
+"""The report a finished run prints: its numbers, its files and the commands that come next."""
+
+from pathlib import Path
+
+from helpers import png_size, tiny_args
+
+from gptmini.report import format_report
+from gptmini.training import main
+
+
+def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):
+    metrics = {"val/loss": ([9, 19, 29], [5.0, 4.2, 4.5]),
+               "val/bpb": ([9, 19, 29], [2.5, 2.1, 2.25])}
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    text = format_report(run_name="demo", steps=30, first_step=10, seconds=125.0,
+                         tokens=20_480, metrics=metrics, val_batches=20,
+                         checkpoints=tmp_path / "checkpoints", curves=tmp_path / "curves.png",
+                         prompt="JULIET's nurse:")
+    lines = text.splitlines()
+    assert lines[0] == ("run demo: 30 steps (steps 10 to 30 in this session) in 2 min 05 s, "
+                        "20,480 tokens (164 tokens/s)")
+    assert "last  loss 4.500  bpb 2.250  (after step 30; 20 batches" in lines[1]
+    assert "best  loss 4.200  bpb 2.100  (after step 20)" in lines[2]
+    assert str(tmp_path / "checkpoints" / "best.ckpt") in lines[3]
+    assert lines[4].endswith("curves.png")
+    generate, serve, evaluate = lines[-3:]
+    assert "generate.py --checkpoint" in generate and "'JULIET'\\''s nurse:'" in generate
+    assert "serve.py --checkpoint" in serve and serve.endswith("last.ckpt")
+    assert "evaluate.py --checkpoint" in evaluate and evaluate.endswith("best.ckpt")
+
+
+def test_a_finished_run_prints_its_report_and_saves_it_with_the_curves(tmp_path, corpus,
+                                                                      capsys):
+    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "20")) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "tiny"
+    report = (run / "report.txt").read_text()
+    assert report.strip() in out
+    assert report.startswith("run tiny: 20 steps in ")
+    assert ", 1,280 tokens (" in report.splitlines()[0]  # 20 steps of 4 x 16 tokens
+    assert "(after step 20; 4 batches" in report  # validated at 10 and 20
+    assert png_size(Path(run / "curves.png")) == (800, 800)
+    assert "evaluate.py --checkpoint" in report
