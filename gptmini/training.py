@@ -40,6 +40,7 @@ from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
+from gptmini.run_lock import is_first_process, run_lock
 from gptmini.tokenizer import FORMAT, load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
@@ -275,7 +276,13 @@ def fit(cli: GPTCLI):
 
     Raises:
         RunInterrupted: a signal stopped the run after saving a resumable checkpoint.
+        RunInUse: another live train.py holds the run directory (see gptmini.run_lock).
     """
+    with run_lock(run_dir(cli), enabled=is_first_process()):
+        _fit(cli)
+
+
+def _fit(cli: GPTCLI):
     ckpt, checkpoints = cli.config.ckpt_path, run_dir(cli) / "checkpoints"
     if ckpt == "last" and not (checkpoints / "last.ckpt").is_file():
         print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")

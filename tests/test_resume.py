@@ -333,3 +333,48 @@ def test_a_new_run_never_writes_over_another_runs_checkpoints(tmp_path, corpus, 
     assert "already has checkpoints" in err and "--ckpt_path last" in err
     assert "another --run_name" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == before
+
+
+class EarlyStopAt(Callback):
+    """Stops the run at the validation of optimizer step `step`, as EarlyStopping does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+ENDINGS = {  # how the first run ends: the extra arguments and callbacks of each
+    "max_steps": (["--trainer.max_steps", "11"], []),
+    "max_epochs": (["--trainer.max_steps", "-1", "--trainer.max_epochs", "1"], []),
+    "early_stop": ([], [EarlyStopAt(8)]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_finished_run_saves_its_final_step(tmp_path, ending):
+    """Before: a run that ended between two --checkpoint_every saves lost its last steps
+    (last.ckpt at step 10 of 11 here), and nothing said so. The final last.ckpt holds the
+    final weights and resumes; an early stop (whose schedule does not depend on where it
+    stopped) resumes to the weights of one straight run."""
+    corpus = write_corpus(tmp_path / "corpus.txt", repeats=4)
+    extra, callbacks = ENDINGS[ending]
+    common = ["--checkpoint_every", "5", "--trainer.max_steps", "24"]
+    first = build(tmp_path, corpus, "ended", *common, *extra, callbacks=callbacks)
+    fit(first)
+    ended_at = first.trainer.global_step
+    assert ended_at % 5 and 5 < ended_at < 24
+    last = tmp_path / "runs" / "ended" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == ended_at
+    assert_same_weights(weights_of(first), saved["state_dict"])
+    resumed = build(tmp_path, corpus, "ended", *common, resume=True)
+    fit(resumed)
+    assert resumed.trainer.global_step == 24
+    if ending == "early_stop":
+        straight = build(tmp_path, corpus, "straight", *common)
+        fit(straight)
+        assert_same_weights(weights_of(straight), weights_of(resumed))
