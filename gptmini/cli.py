@@ -319,8 +319,9 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num_blocks", type=int, default=None,
                         help="KV blocks in the pool (default: max_batch full contexts)")
-    parser.add_argument("--max_pending", type=int, default=256,
-                        help="completions calls in flight before answering 429")
+    parser.add_argument("--max_pending", type=int, default=1024,
+                        help="completions (prompts x n, over all calls) in flight before "
+                             "answering 429; a call asking more is a 400")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--drain", type=float, default=30.0,
                         help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")

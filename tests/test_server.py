@@ -42,9 +42,9 @@ def eventually(condition, seconds: float, failure: str) -> None:
         time.sleep(0.02)
 
 
-def start(model, **options):
+def start(model, max_batch=16, **options):
     """A server on 127.0.0.1, port 0, in a thread: (base url, engine, stop function)."""
-    engine = Engine(model, ENC, block_size=4, max_batch=16)
+    engine = Engine(model, ENC, block_size=4, max_batch=max_batch)
     app = create_app(engine, "tiny", **options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -167,6 +167,27 @@ def test_fifty_concurrent_requests_all_complete_each_as_alone(client, model):
     ({"model": "tiny", "prompt": "x" * 65}, 400, "context_length is 64", "prompt"),
     ({"model": "tiny", "prompt": []}, 400, "prompt must be", "prompt"),
     ({"model": "tiny", "prompt": "a", "n": 0}, 400, "n must be", "n"),
+    # Before: the wrong JSON types below were read by truthiness or coercion, or failed.
+    ({"model": "tiny", "prompt": "a", "stream": "false"}, 400, "(a string)", "stream"),
+    ({"model": "tiny", "prompt": "a", "temperature": True}, 400, "(a boolean)", "temperature"),
+    ({"model": "tiny", "prompt": "a", "temperature": "0.7"}, 400, "must be a number",
+     "temperature"),
+    ({"model": "tiny", "prompt": "a", "top_p": True}, 400, "must be a number", "top_p"),
+    ({"model": "tiny", "prompt": "a", "top_k": 1.5}, 400, "top_k must be an integer", "top_k"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": "5"}, 400, "(a string)", "max_tokens"),
+    ({"model": "tiny", "prompt": "a", "n": 2.0}, 400, "n must be an integer", "n"),
+    ({"model": "tiny", "prompt": "a", "n": True}, 400, "(a boolean)", "n"),
+    ({"model": "tiny", "prompt": "a", "seed": 2**70}, 400, "seed must be an integer of 64 bits",
+     "seed"),
+    ({"model": "tiny", "prompt": "a", "stream_options": ["include_usage"]}, 400,
+     "stream_options must be an object", "stream_options"),
+    ({"model": "tiny", "prompt": "a", "stream": True, "stream_options": {
+        "include_usage": "yes"}}, 400, "must be true or false", "stream_options.include_usage"),
+    ({"model": "tiny", "prompt": "a", "echo": 0}, 400, "echo=0 is not supported", "echo"),
+    ({"model": "tiny", "prompt": "a", "best_of": True}, 400, "not supported", "best_of"),
+    ({"model": 5, "prompt": "a"}, 400, "model must be a string", "model"),
+    ({"model": "tiny", "prompt": "a", "user": 5}, 400, "user must be a string", "user"),
+    ({"model": "tiny", "prompt": "a", "stop": 5}, 400, "stop must be", "stop"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, model, body,
                                                                status, message, param):
@@ -242,6 +263,65 @@ def test_api_key_queue_limit_and_timeout(model, endless):
         assert json.loads(last[6:])["error"]["type"] == "timeout_error"  # not [DONE]
     finally:
         stop()
+
+
+def test_call_size_limits_auth_scheme_and_non_streaming_disconnects(model, endless):
+    """Before: --max_pending counted calls, so one call of 2,000 prompts x n=16 queued 32,000
+    requests ahead of every other client; `Authorization: bearer KEY` got a 401."""
+    url, engine, stop = start(model, max_batch=4, api_key="secret", max_pending=12)
+    key = {"authorization": "bearer  secret"}  # the scheme is case-insensitive (RFC 9110)
+    try:
+        small = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=small, headers=key).status_code == 200
+        wrong = httpx.post(f"{url}/v1/completions", json=small,
+                           headers={"authorization": "Bearer secreT"})
+        assert wrong.status_code == 401
+        huge = httpx.post(f"{url}/v1/completions", headers=key,
+                          json={**small, "prompt": ["a", "b", "c"], "n": 5})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+        assert "15 completions (3 prompts x n=5)" in huge.json()["error"]["message"]
+        assert "--max_pending" in huge.json()["error"]["message"]
+        long = {"model": "tiny", "prompt": [endless, endless], "n": 5,
+                "max_tokens": 10_000, "temperature": 0}  # 10: 4 running, 6 queued
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True},
+                          headers=key, timeout=30) as streaming:
+            lines = streaming.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)
+            busy = httpx.post(f"{url}/v1/completions", headers=key,
+                              json={**small, "n": 3})  # 10 + 3 > 12
+            assert busy.status_code == 429
+            assert "10 completions in flight" in busy.json()["error"]["message"]
+        eventually(lambda: not engine.has_work, 10, "the closed stream kept running")
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up
+            httpx.post(f"{url}/v1/completions", json=long, headers=key, timeout=1.0)
+        assert engine.waiting, "the test needs queued requests"
+        eventually(lambda: not engine.has_work, 10,
+                   "a client that gave up left its requests (queued ones too) in the engine")
+    finally:
+        stop()
+
+
+def test_a_client_that_hangs_up_mid_body_logs_no_traceback(served):
+    import logging
+    import socket
+
+    url, _ = served
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: 1000\r\n\r\n{\"prom")
+            time.sleep(0.3)
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in seen if r.levelno >= logging.ERROR], seen[0].getMessage()
 
 
 @pytest.mark.slow
