@@ -116,6 +116,23 @@ class RunInterrupted(Exception):
         return 128 + self.signum  # what a shell reports for a process the signal ended
 
 
+class StoppedAtOnce(BaseException):
+    """A second signal stopped training at once, without saving: the last checkpoint stays.
+
+    A BaseException (like KeyboardInterrupt, which Lightning turns into exit code 1): it
+    must get through `except Exception` on its way out, even out of a checkpoint write.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}, without "
+                         "saving; the last checkpoint stays. Resume with --ckpt_path last")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
 class StopOnSignal(Callback):
     """On SIGTERM or SIGINT (Ctrl-C), stop at an optimizer step with a resumable checkpoint.
 
@@ -154,7 +171,7 @@ class StopOnSignal(Callback):
     def _on_signal(self, signum: int, frame) -> None:
         if self._signum:  # asked twice: stop now
             self._restore_handlers()
-            raise KeyboardInterrupt
+            raise StoppedAtOnce(signum)
         self._signum, self._deadline = signum, time.monotonic() + self.grace_seconds
         print(f"\nreceived {signal.Signals(signum).name}: finishing the optimizer step in "
               "progress, then saving a checkpoint (signal again to stop at once)", flush=True)

@@ -32,6 +32,7 @@ from gptmini.callbacks import (
     SampleCallback,
     StepCheckpoint,
     StopOnSignal,
+    StoppedAtOnce,
     progress_bar,
 )
 from gptmini.checkpoint import check_readable
@@ -339,7 +340,7 @@ def main(args: list[str] | None = None) -> int:
     """
     try:
         fit(build_cli(args))
-    except RunInterrupted as stop:
+    except (RunInterrupted, StoppedAtOnce) as stop:
         print(f"train.py: {stop}", file=sys.stderr)
         return stop.exit_code
     except SIGTERMException:  # before training began (Lightning's handler): nothing to save

@@ -378,3 +378,32 @@ def test_a_finished_run_saves_its_final_step(tmp_path, ending):
         straight = build(tmp_path, corpus, "straight", *common)
         fit(straight)
         assert_same_weights(weights_of(straight), weights_of(resumed))
+
+
+@pytest.mark.slow
+def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path, corpus):
+    """Before: the second signal, landing in the first one's save, exited 1 with a
+    RuntimeError from the checkpoint writer."""
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "100000", "--model.emb_dim",
+                     "256", "--model.n_heads", "4", "--checkpoint_every", "100000",
+                     "--trainer.val_check_interval", "100000")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and "train/loss" in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert "SIGTERM" in err.splitlines()[-1]
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    if last.exists():  # the first signal's save, if it finished before the second
+        assert torch.load(last, weights_only=True)["global_step"] > 0
