@@ -29,13 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float64", choices=DTYPES,
                         help="float64 (the default) makes 'unchanged' mean unchanged to 1e-9")
+    parser.add_argument("--time_budget", type=float, default=120.0,
+                        help="seconds for all the checks; those not reached are reported "
+                             "not applicable, with a warning (0: no limit)")
     args = parser.parse_args(argv)
     try:
         spec = load_target(args.spec) if args.spec else None
         if spec is not None and not isinstance(spec, AttentionSpec):
             raise ValueError(f"--spec {args.spec} is a {type(spec).__name__}, not an "
                              "AttentionSpec")
-        report = check_attention(args.target, spec, device=args.device, dtype=DTYPES[args.dtype])
+        report = check_attention(args.target, spec, device=args.device, dtype=DTYPES[args.dtype],
+                                 time_budget=args.time_budget or None)
     except ValueError as err:
         print(f"gptmini.testing: error: {err}", file=sys.stderr)
         return 2
