@@ -167,9 +167,11 @@ class GPTCLI(LightningCLI):
                 "format": FORMAT,
                 "name": str(checkpoint.get("hyper_parameters", {}).get("tokenizer", "gpt2"))}
             if "tokens" not in saved:
+                say_overridden_tokenizer(model.tokenizer, saved["name"], None, checkpoint)
                 model.tokenizer = data.tokenizer = saved["name"]
                 return
             enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
+            say_overridden_tokenizer(model.tokenizer, enc.name, enc.n_vocab, checkpoint)
         else:
             vocab_size = parse_bpe(model.tokenizer)
             if vocab_size is None:
@@ -182,6 +184,22 @@ class GPTCLI(LightningCLI):
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+
+
+def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,
+                             checkpoint: dict) -> None:
+    """A resume keeps the checkpoint's vocabulary (`name`, `n_vocab` ids; its embeddings
+    are trained for those ids); a --model.tokenizer naming another one is said to be
+    overridden, as changed learning rates are named. Before, it was replaced silently."""
+    used = str(checkpoint.get("hyper_parameters", {}).get("tokenizer", name))
+    if asked in (used, name) or (n_vocab is not None and parse_bpe(asked) == n_vocab) or (
+            Path(asked).is_file() and Path(asked).resolve() == Path(used).resolve()):
+        return
+    if rank_zero_only.rank == 0:
+        size = f", {n_vocab:,} ids" if n_vocab else ""
+        print(f"resuming: --model.tokenizer {asked} is overridden by the checkpoint's "
+              f"vocabulary ({name}{size}), which its embeddings are trained for; start a new "
+              f"--run_name to train with {asked}", flush=True)
 
 
 def _saved(ckpt_path: str | None, run: Path) -> dict:

@@ -407,3 +407,19 @@ def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     if last.exists():  # the first signal's save, if it finished before the second
         assert torch.load(last, weights_only=True)["global_step"] > 0
+
+
+def test_a_different_tokenizer_on_resume_is_named_as_overridden(tmp_path, corpus, capsys):
+    """Before: a resume with another --model.tokenizer ran on with the checkpoint's
+    vocabulary and said nothing."""
+    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "2")) == 0
+    same = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "3", "--ckpt_path",
+                               "last"))
+    assert "overridden" not in capsys.readouterr().out
+    other = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "3", "--model.tokenizer",
+                                "byte", "--ckpt_path", "last"))
+    out = capsys.readouterr().out
+    assert "--model.tokenizer byte is overridden by the checkpoint's vocabulary (gpt2" in out
+    assert other.model.hparams.tokenizer == same.model.hparams.tokenizer == "gpt2"
+    fit(other)
+    assert other.trainer.global_step == 3
