@@ -98,7 +98,8 @@ def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespa
                    top_k: int | None) -> int:
     """--batch_file: every prompt through the engine at once; results in prompt order.
 
-    With --seed S, prompt i is seeded S + i: its text does not depend on the batch.
+    With --seed S, prompt i is seeded S + i: its text does not depend on the batch in
+    float64 (--dtype float64); in float32/bfloat16 a rare draw near a tie can.
     """
     from tqdm import tqdm
 

@@ -28,7 +28,9 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    """Seeds the request's own generator: the same text whatever else is batched."""
+    """Seeds the request's own generator: the same text whatever else is batched in
+    float64; in float32/bfloat16 other requests in the batch can move the logits' last bits
+    and so flip a draw near a tie (see the README)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end the request (not included in its output)."""
     stop: tuple[str, ...] = ()
