@@ -1,12 +1,14 @@
 """Try to break gptmini as a new user would, and count what happens.
 
-Each case runs train.py or generate.py (or a few lines of Python against the training
-command) in a fresh process and is classed as:
+Each case runs train.py, generate.py, serve.py (one shared server, called over HTTP) or the
+conformance kit (or a few lines of Python against the training command) in a fresh process,
+and is classed as:
     ok            did what was asked (or refused it on purpose, where that is the answer)
     clear error   exited non-zero with one line naming the input, and no traceback
     traceback     a raw Python traceback reached the user
     silent        exited 0, but the result is wrong (data dropped, a setting ignored, ...)
-    data lost     a checkpoint that existed before is gone or damaged
+    data lost     a checkpoint that existed before is gone or damaged, or steps are in none
+    hang          no answer within the case's time limit
 
     python bench/robustness.py                    # this checkout
     python bench/robustness.py --tree /path/to/another/checkout   # e.g. an older commit
@@ -372,6 +374,290 @@ def corrupt_checkpoint(data: bytes):
     return prepare
 
 
+# --------------------------------------------------------------------------- issue 29's classes
+
+
+def concurrent_same_run_name(lab: Lab):
+    """Two train.py on one --run_name at once: the second must refuse while the first lives."""
+    where = lab.folder()
+    args = lab.args(where, "--trainer.max_steps", "100000", "--checkpoint_every", "100000",
+                    "--trainer.val_check_interval", "100000")
+    first = subprocess.Popen([sys.executable, str(lab.tree / "train.py"), *args], cwd=where,
+                             env=lab.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
+        deadline = time.monotonic() + 120
+        while not metrics.is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = lab.run("train.py", *args, "--ckpt_path", "last", cwd=where, timeout=300)
+    finally:
+        first.terminate()
+        first.wait(timeout=120)
+    result = outcome(second)
+    return ("silent" if result == "ok" else result), last_line(second)
+
+
+def final_steps_saved(lab: Lab):
+    """10 steps with a checkpoint every 4: last.ckpt must hold step 10, not 8."""
+    import torch
+
+    where = lab.folder()
+    proc = lab.run("train.py", *lab.args(where, "--trainer.max_steps", "10"), cwd=where)
+    last = where / "runs" / "r" / "checkpoints" / "last.ckpt"
+    if proc.returncode or not last.is_file():
+        return outcome(proc), last_line(proc)
+    step = torch.load(last, weights_only=True, map_location="cpu")["global_step"]
+    return ("ok" if step == 10 else "data lost"), f"last.ckpt at step {step} of 10"
+
+
+def two_sigterms(lab: Lab):
+    where = lab.folder()
+    args = lab.args(where, "--trainer.max_steps", "100000", "--checkpoint_every", "100000",
+                    "--trainer.val_check_interval", "100000", "--model.emb_dim", "256",
+                    "--model.n_heads", "4")
+    proc = subprocess.Popen([sys.executable, str(lab.tree / "train.py"), *args], cwd=where,
+                            env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and "train/loss" in metrics.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if "Traceback (most recent call last)" in err:
+        return "traceback", f"exit {proc.returncode}"
+    return ("ok" if proc.returncode == 143 else "silent"), f"exit {proc.returncode}"
+
+
+def resume_other_tokenizer(lab: Lab):
+    where = lab.folder()
+    lab.run("train.py", *lab.args(where, "--model.tokenizer", "gpt2"), cwd=where)
+    proc = lab.run("train.py", *lab.args(where, "--trainer.max_steps", "10", "--model.tokenizer",
+                                         "byte", "--ckpt_path", "last"), cwd=where)
+    said = "overridden" in proc.stdout + proc.stderr
+    result = outcome(proc)
+    return ("silent" if result == "ok" and not said else result), (
+        "said overridden" if said else last_line(proc))
+
+
+KIT_MODULES = """
+import time, torch
+from gptmini.attention import MultiHeadAttention
+class NaNs(MultiHeadAttention):
+    def forward(self, x): return super().forward(x) * float("nan")
+class Mutates(MultiHeadAttention):
+    def forward(self, x):
+        out = super().forward(x); x.mul_(2); return out
+class Slow(MultiHeadAttention):
+    def forward(self, x):
+        time.sleep(0.5); return super().forward(x)
+"""
+
+
+def kit_case(name: str, expected: str, *extra: str):
+    """python -m gptmini.testing on a broken module: the report must say `expected`."""
+
+    def case(lab: Lab):
+        where = lab.folder()
+        (where / "mods.py").write_text(KIT_MODULES)
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "gptmini.testing", f"mods:{name}", *extra],
+                              cwd=where, env={**lab.env, "PYTHONPATH": f"{lab.tree}:{where}"},
+                              capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - start
+        if "Traceback (most recent call last)" in proc.stderr:
+            return "traceback", last_line(proc)
+        if expected not in proc.stdout:
+            return "silent", f"no {expected!r} in the report ({took:.0f} s)"
+        return "ok", f"said {expected!r} ({took:.0f} s)"
+
+    return case
+
+
+class Served:
+    """One serve.py on a tiny checkpoint, shared by the server cases."""
+
+    process = url = None
+
+    @classmethod
+    def start(cls, lab: Lab) -> str:
+        if cls.url:
+            return cls.url
+        import socket
+
+        where = lab.folder()
+        code = ("import sys, torch\nfrom gptmini.model import GPTConfig, GPTModel\n"
+                "torch.manual_seed(0)\n"
+                "m = GPTModel(GPTConfig(vocab_size=50257, context_length=32, emb_dim=16, "
+                "n_heads=2, n_layers=2, drop_rate=0.0))\n"
+                "torch.save({'state_dict': {'model.' + k: v for k, v in m.state_dict().items()},"
+                " 'hyper_parameters': {**m.cfg.to_dict(), 'tokenizer': 'gpt2'}}, sys.argv[1])\n")
+        lab.python(code, str(where / "tiny.ckpt"), cwd=where)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        cls.process = subprocess.Popen(
+            [sys.executable, str(lab.tree / "serve.py"), "--checkpoint", str(where / "tiny.ckpt"),
+             "--port", str(port), "--api_key", "k", "--max_pending", "64", "--dtype", "float32",
+             "--timeout", "5"],
+            cwd=where, env=lab.env, stdout=subprocess.DEVNULL, stderr=open(where / "log", "w"))
+        cls.log, cls.url = where / "log", f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                post(cls.url + "/health", None, method="GET")
+                return cls.url
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("serve.py did not start")
+
+    @classmethod
+    def stop(cls):
+        if cls.process is not None:
+            cls.process.terminate()
+            cls.process.wait(timeout=60)
+
+
+def post(url: str, body, headers=None, method="POST", raw: bytes | None = None):
+    """(status, parsed JSON answer) of one HTTP call, with the standard library."""
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={
+        "content-type": "application/json", "authorization": "Bearer k", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def server_case(body, expected_status: int, param: str | None = None, headers=None):
+    """One call to the shared server: the status wanted, and a 400's param named."""
+
+    def case(lab: Lab):
+        url = Served.start(lab)
+        before = Served.log.read_text()
+        status, text = post(url + "/v1/completions", body, headers)
+        logged = Served.log.read_text()[len(before):]
+        if (status >= 500 and status != expected_status) or "Traceback" in logged:
+            return "traceback", f"{status}: {text[:100]}"
+        if status != expected_status:
+            return "silent", f"{status}, wanted {expected_status}: {text[:100]}"
+        if param is not None and json.loads(text)["error"]["param"] != param:
+            return "silent", f"{status}, but the error names {json.loads(text)['error']['param']}"
+        return ("clear error" if 400 <= status < 500 else "ok"), f"{status} {text[:90]}"
+
+    return case
+
+
+def server_hangup(lab: Lab):
+    import socket
+
+    url = Served.start(lab)
+    before = Served.log.read_text()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k\r\n"
+                     b"content-length: 500\r\n\r\n{\"prompt")
+        time.sleep(0.3)
+    time.sleep(0.5)
+    logged = Served.log.read_text()[len(before):]
+    return ("traceback" if "Traceback" in logged else "ok"), f"{len(logged)} bytes logged"
+
+
+def serve_flag(*flags: str):
+    def case(lab: Lab):
+        where = lab.folder()
+        proc = lab.run("serve.py", "--checkpoint", str(trained(lab, where)), "--port", "0",
+                       *flags, cwd=where, timeout=60)
+        return ("silent" if outcome(proc) == "ok" else outcome(proc)), last_line(proc)
+
+    return case
+
+
+def batch_case(content: str | bytes, *extra: str):
+    def case(lab: Lab):
+        where = lab.folder()
+        path = where / "b.jsonl"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        extra_args = [e.replace("{d}", str(where)) for e in extra]
+        proc = lab.run("generate.py", "--checkpoint", str(trained(lab, where)), "--batch_file",
+                       str(path), *extra_args, cwd=where, timeout=120)
+        result = outcome(proc)
+        return ("silent" if result == "ok" else result), last_line(proc)
+
+    return case
+
+
+def binary_body(lab: Lab):
+    url = Served.start(lab)
+    status, text = post(url + "/v1/completions", None, raw=b"\x89PNG\x00\xff\xfe")
+    if status >= 500:
+        return "traceback", f"{status}"
+    return ("clear error" if status == 400 else "silent"), f"{status} {text[:90]}"
+
+
+GOOD_BATCH = '{"prompt": "a", "max_new_tokens": 2}\n'
+ISSUE_29 = {
+    # --- runs
+    "a run ending between two checkpoints (max_steps)": final_steps_saved,
+    "two train.py on one --run_name at once": concurrent_same_run_name,
+    "two SIGTERMs 50 ms apart": two_sigterms,
+    "resume with another --model.tokenizer": resume_other_tokenizer,
+    # --- the server: wrong JSON types, sizes, headers, hang-ups
+    "server: stream as the string false": server_case({"prompt": "a", "stream": "false"}, 400,
+                                                      "stream"),
+    "server: temperature true": server_case({"prompt": "a", "temperature": True}, 400,
+                                            "temperature"),
+    "server: max_tokens as a string": server_case({"prompt": "a", "max_tokens": "5"}, 400,
+                                                  "max_tokens"),
+    "server: max_tokens huge, bounded by --timeout": server_case(
+        {"prompt": "a", "max_tokens": 10**30}, 504),
+    "server: n 0.5": server_case({"prompt": "a", "n": 0.5}, 400, "n"),
+    "server: top_k negative": server_case({"prompt": "a", "top_k": -3}, 400, "top_k"),
+    "server: top_p NaN-like string": server_case({"prompt": "a", "top_p": "nan"}, 400, "top_p"),
+    "server: seed 2**70": server_case({"prompt": "a", "seed": 2**70}, 400, "seed"),
+    "server: stream_options a list": server_case(
+        {"prompt": "a", "stream": True, "stream_options": ["include_usage"]}, 400,
+        "stream_options"),
+    "server: stop 5": server_case({"prompt": "a", "stop": 5}, 400, "stop"),
+    "server: prompt of token ids out of range": server_case({"prompt": [10**9]}, 400, "prompt"),
+    "server: echo 0": server_case({"prompt": "a", "echo": 0}, 400, "echo"),
+    "server: a body that is binary": binary_body,
+    "server: prompts x n over --max_pending": server_case(
+        {"prompt": ["a"] * 8, "n": 9, "max_tokens": 1}, 400, "prompt"),
+    "server: Authorization bearer in lower case": server_case(
+        {"prompt": "a", "max_tokens": 1}, 200, headers={"authorization": "bearer k"}),
+    "server: a client hanging up mid-body": server_hangup,
+    # --- serve.py flags
+    "serve.py --block_size 0": serve_flag("--block_size", "0"),
+    "serve.py --max_batch 0": serve_flag("--max_batch", "0"),
+    "serve.py --num_blocks -1": serve_flag("--num_blocks", "-1"),
+    "serve.py --timeout nan": serve_flag("--timeout", "nan"),
+    "serve.py --max_pending 0": serve_flag("--max_pending", "0"),
+    # --- generate.py batch files and flags
+    "batch file: stop 5": batch_case('{"prompt": "a", "stop": 5}\n'),
+    "batch file: temperature true": batch_case('{"prompt": "a", "temperature": true}\n'),
+    "batch file: max_new_tokens -1": batch_case('{"prompt": "a", "max_new_tokens": -1}\n'),
+    "batch file: seed 2**70": batch_case(json.dumps({"prompt": "a", "seed": 2**70}) + "\n"),
+    "batch file: binary": batch_case(b"\x89PNG\r\n\x1a\n\x00\x00binary"),
+    "batch file: --output a directory": batch_case(GOOD_BATCH, "--output", "{d}"),
+    "batch file: --max_batch 0": batch_case(GOOD_BATCH, "--max_batch", "0"),
+    "generate.py --seed 2**70": batch_case(GOOD_BATCH, "--seed", str(2**70)),
+    # --- the conformance kit
+    "kit: a module returning NaN": kit_case("NaNs", "returns non-finite values"),
+    "kit: a module changing its input": kit_case("Mutates", "changed its input tensor"),
+    "kit: a slow module, 5 s budget": kit_case("Slow", "time budget of 5 s ran out",
+                                               "--time_budget", "5"),
+}
+
+
 CASES = {
     # --- the corpus
     "the default tiny run": train_case({}, expect_error=False),
@@ -455,6 +741,7 @@ CASES = {
         lambda lab, w: ["--checkpoint", trained(lab, w), "--device", "cuda"]),
     "generate.py: a missing --prompt_file": generate_case(
         lambda lab, w: ["--checkpoint", trained(lab, w), "--prompt_file", "nope.txt"]),
+    **ISSUE_29,
 }
 
 
@@ -475,11 +762,14 @@ def main():
             start = time.perf_counter()
             try:
                 result, detail = case(lab)
+            except subprocess.TimeoutExpired as err:
+                result, detail = "hang", f"no answer in {err.timeout:g} s"
             except Exception as err:  # the harness itself: say so, keep going
                 result, detail = "harness", f"{type(err).__name__}: {err}"
             counts[result] += 1
             print(f"{name:<50} {result:<12} {detail} ({time.perf_counter() - start:.0f} s)",
                   flush=True)
+        Served.stop()
     total = sum(counts.values())
     print(f"\n{total} cases: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
 

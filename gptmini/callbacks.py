@@ -62,6 +62,45 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
         if self._watch.stepped(trainer):
             super().on_train_batch_end(trainer, pl_module, *args)
+            if run_ends_after(trainer, args[-1]):
+                self._save_final(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule):
+        super().on_validation_end(trainer, pl_module)
+        if stop_asked(trainer) and not trainer.sanity_checking:  # early stopping decided
+            self._save_final(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule):
+        # A stop decided elsewhere (a callback's on_train_epoch_end, say): the epoch is then
+        # counted as finished, so a resume starts the next one; still nothing is lost.
+        self._save_final(trainer)
+
+    def _save_final(self, trainer: Trainer) -> None:
+        """last.ckpt at the step the run ends on. Lightning's saves it only when no
+        every_n_train_steps save ever happened: 50 steps with a save every 20 ended with
+        last.ckpt at step 40, and steps 41-50 in no file."""
+        if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(
+                trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether the batch that just ended is the run's last: max_steps reached, the last
+    batch of the last epoch, or a stop already asked for (--trainer.max_time's timer)."""
+    last_epoch = trainer.max_epochs is not None and trainer.max_epochs >= 0 and (
+        trainer.current_epoch + 1 >= trainer.max_epochs)
+    return (
+        stop_asked(trainer)
+        or 0 <= trainer.max_steps <= trainer.global_step
+        or (last_epoch and batch_idx + 1 >= trainer.num_training_batches)
+    )
+
+
+def stop_asked(trainer: Trainer) -> bool:
+    """trainer.should_stop, unless min_steps or min_epochs keep the run going."""
+    loop = trainer.fit_loop
+    return trainer.should_stop and trainer.global_step >= (loop.min_steps or 0) and (
+        trainer.current_epoch >= (loop.min_epochs or 0))
 
 
 class RunInterrupted(Exception):
@@ -77,6 +116,23 @@ class RunInterrupted(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # what a shell reports for a process the signal ended
+
+
+class StoppedAtOnce(BaseException):
+    """A second signal stopped training at once, without saving: the last checkpoint stays.
+
+    A BaseException (like KeyboardInterrupt, which Lightning turns into exit code 1): it
+    must get through `except Exception` on its way out, even out of a checkpoint write.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}, without "
+                         "saving; the last checkpoint stays. Resume with --ckpt_path last")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 class StopOnSignal(Callback):
@@ -117,7 +173,7 @@ class StopOnSignal(Callback):
     def _on_signal(self, signum: int, frame) -> None:
         if self._signum:  # asked twice: stop now
             self._restore_handlers()
-            raise KeyboardInterrupt
+            raise StoppedAtOnce(signum)
         self._signum, self._deadline = signum, time.monotonic() + self.grace_seconds
         print(f"\nreceived {signal.Signals(signum).name}: finishing the optimizer step in "
               "progress, then saving a checkpoint (signal again to stop at once)", flush=True)

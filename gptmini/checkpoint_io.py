@@ -86,14 +86,15 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
                 "there is unchanged. Free space or fix the disk, then resume with --ckpt_path "
                 "last",
             ) from err
-        raise
+        raise err  # (the recorded one: torch would have turned it into a RuntimeError)
     _fsync_directory(path.parent)
     return path
 
 
 class _Writer:
     """The file torch.save writes to, remembering the OS error (a full disk, a file-size
-    limit) that torch would otherwise turn into an 'unexpected pos' RuntimeError."""
+    limit), or the exception a signal handler raised while it wrote, that torch would
+    otherwise turn into an 'unexpected pos' RuntimeError."""
 
     def __init__(self, file):
         self.file, self.error = file, None
@@ -101,7 +102,7 @@ class _Writer:
     def write(self, data) -> int:
         try:
             return self.file.write(data)
-        except OSError as err:
+        except BaseException as err:  # also a signal handler's exception, raised in here
             self.error = err
             raise
 

@@ -1,7 +1,6 @@
 """The command lines behind generate.py, visualize.py and serve.py (argparse mains)."""
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -12,6 +11,8 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.api import SEED_RANGE
+from gptmini.batch import generate_batch
 from gptmini.checkpoint import load_checkpoint
 from gptmini.engine import Engine
 from gptmini.generation import stream_text
@@ -83,14 +84,22 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
     try:
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=top_k, top_p=args.top_p)  # checks them
-        if args.num_samples < 1:
-            raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+                       top_k=top_k, top_p=args.top_p)  # checks them, naming the bad one
+        if args.num_samples < 1 or args.max_batch < 1:
+            raise ValueError(f"--num_samples >= 1 and --max_batch >= 1 are needed, got "
+                             f"--num_samples {args.num_samples} --max_batch {args.max_batch}")
+        if args.seed is not None and not SEED_RANGE[0] <= args.seed < SEED_RANGE[1] - 2**32:
+            raise ValueError(f"--seed {args.seed} is out of range: use an integer of 64 bits, "
+                             f"from {SEED_RANGE[0]} to {SEED_RANGE[1] - 2**32 - 1}")
         device = _resolve_device(args.device)
         if args.prompt_file is not None:
             if not args.prompt_file.is_file():
                 raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
-            prompt = args.prompt_file.read_text(encoding="utf-8")
+            try:
+                prompt = args.prompt_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
+                                 f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
         else:
             prompt = args.prompt
         model, tokenizer = _load_on_device(args.checkpoint or args.hf, device, args.dtype)
@@ -121,82 +130,6 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         out.write("\n")
         out.flush()
     return 0
-
-
-def read_batch_file(path: Path) -> list[dict]:
-    """The prompts of a --batch_file: one per line, or one JSON record per line (.jsonl)."""
-    if not path.is_file():
-        raise ValueError(f"--batch_file {path} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix != ".jsonl":
-        return [{"prompt": line} for line in lines if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} is not JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f'{path}:{number} needs a "prompt" string')
-        unknown = set(record) - {"prompt", *BATCH_SETTINGS}
-        if unknown:
-            raise ValueError(f"{path}:{number}: unknown field(s) {sorted(unknown)}; known: "
-                             f"prompt, {', '.join(BATCH_SETTINGS)}")
-        records.append(record)
-    return records
-
-
-BATCH_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
-
-
-def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespace,
-                   top_k: int | None) -> int:
-    """--batch_file: every prompt through the engine at once; results in prompt order.
-
-    With --seed S, prompt i is seeded S + i: its text does not depend on the batch.
-    """
-    from tqdm import tqdm
-
-    records = read_batch_file(args.batch_file)
-    engine = Engine(model, tokenizer, max_batch=args.max_batch)
-    requests = []
-    for i, record in enumerate(records):
-        settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                    "top_k": top_k, "top_p": args.top_p,
-                    "seed": None if args.seed is None else args.seed + i,
-                    **{k: v for k, v in record.items() if k != "prompt"}}
-        settings["stop"] = tuple([settings["stop"]] if isinstance(settings.get("stop"), str)
-                                 else settings.get("stop") or ())
-        ids = tokenizer.encode(record["prompt"], allowed_special={"<|endoftext|>"})
-        try:
-            requests.append(engine.add_request(ids or [tokenizer.eot_token],
-                                               stop_ids=(tokenizer.eot_token,), **settings))
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"prompt {i + 1} of {args.batch_file}: {err}") from None
-    # Counts generated tokens (a prompt-count bar sat at 0 until whole prompts ended); a
-    # request that stops early counts its unused budget as done, so the bar ends full.
-    budget = sum(r.params.max_new_tokens for r in requests)
-    with tqdm(total=budget, desc="generating", unit="tok", file=sys.stderr) as bar:
-        while engine.has_work:
-            engine.step()
-            bar.update(generated_so_far(requests) - bar.n)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    try:
-        for i, (record, request) in enumerate(zip(records, requests, strict=True)):
-            out.write(json.dumps({"index": i, "prompt": record["prompt"], "text": request.text,
-                                  "tokens": len(request.tokens),
-                                  "finish_reason": request.finish_reason}) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    return 0
-
-
-def generated_so_far(requests: Sequence) -> int:
-    """Tokens generated by `requests`, a finished request counting its whole budget."""
-    return sum(r.params.max_new_tokens if r.done else len(r.tokens) for r in requests)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -328,13 +261,29 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num_blocks", type=int, default=None,
                         help="KV blocks in the pool (default: max_batch full contexts)")
-    parser.add_argument("--max_pending", type=int, default=256,
-                        help="completions calls in flight before answering 429")
+    parser.add_argument("--max_pending", type=int, default=1024,
+                        help="completions (prompts x n, over all calls) in flight before "
+                             "answering 429; a call asking more is a 400")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--drain", type=float, default=30.0,
                         help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
     _add_device_options(parser)
     return parser
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """serve.py's numbers, each named with its fix (the engine would fail on them later:
+    a block_size of 0 divided by zero, a max_batch of 0 blamed num_blocks)."""
+    for name, low in (("max_batch", 1), ("block_size", 1), ("num_blocks", 1),
+                      ("max_pending", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name} {value} is invalid: use {low} or more")
+    for name, positive in (("timeout", True), ("drain", False)):
+        value = getattr(args, name)
+        if value != value or value < 0 or (positive and value == 0):  # (NaN != NaN)
+            raise ValueError(f"--{name} {value} is invalid: use a number of seconds "
+                             + ("> 0" if positive else ">= 0"))
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
@@ -356,8 +305,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"cannot listen on {args.host}:{args.port} ({err}); pick another --port "
                      "(0..65535, free) or --host")
     try:
-        if args.max_pending < 1 or args.timeout <= 0 or args.drain < 0:
-            raise ValueError("--max_pending must be >= 1, --timeout > 0 and --drain >= 0")
+        check_serve_args(args)
         model, tokenizer = _load_on_device(args.checkpoint, _resolve_device(args.device),
                                            args.dtype)
         engine = Engine(model, tokenizer, block_size=args.block_size,

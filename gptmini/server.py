@@ -8,52 +8,27 @@ blocks go back to the pool at the next step).
 
 Endpoints: POST /v1/completions, GET /v1/models, GET /health. Chat completions are out of
 scope: a base model has no chat template. Errors have OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters and
-malformed JSON, 401 for a missing or wrong key, 404 for an unknown model or path, 429
-when too many calls are in flight, 504 when a request outlives its timeout. The command
-line, `serve.py`, is `gptmini.cli.serve_main`.
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters, malformed
+JSON or a call asking more completions (prompts x n) than the server holds, 401 for a
+missing or wrong key, 404 for an unknown model or path, 429 when too many completions are
+in flight, 504 when a request outlives its timeout. The command line, `serve.py`, is
+`gptmini.cli.serve_main`.
 """
 
 import asyncio
 import contextlib
-import hashlib
+import hmac
 import json
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
+from gptmini.api import APIError, choice_seed, parse
 from gptmini.engine import Engine, Request
 from gptmini.sampling import SamplingParams
 
-NEUTRAL = {"logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-           "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-           "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "user": None,
-           "stream_options": None}
-"""Fields clients send by default, accepted at their neutral values (None: any value)."""
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-         "stop", "stream", *NEUTRAL}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}
-
-
-def choice_seed(seed: int, i: int) -> int:
-    """Choice i of a seeded request draws from (seed, i): the same request, the same texts."""
-    digest = hashlib.blake2b(f"{seed},{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
+__all__ = ["APIError", "EngineLoop", "choice_seed", "create_app", "parse"]
 
 class EngineLoop:
     """Steps the engine on one background thread while it has work, and tells the event
@@ -124,55 +99,6 @@ class Job:
         return self.streaming or not (self.closed or all(r.done for r in self.requests))
 
 
-def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
-    """The prompts and sampling settings of a completions body, or an APIError."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise APIError(400, f"unsupported field {unknown[0]!r}", unknown[0])
-    for name, neutral in NEUTRAL.items():
-        if neutral is not None and name in body and body[name] not in neutral:
-            raise APIError(400, f"{name}={body[name]!r} is not supported; leave it at "
-                           f"{neutral[-1]!r}", name)
-    if body.get("model") not in (model_name, None):
-        raise APIError(404, f"the model {body.get('model')!r} does not exist; this server "
-                       f"serves {model_name!r}", "model", kind="not_found_error")
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(
-            isinstance(p, str) or _is_ids(p) for p in prompts):
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token "
-                       "ids or a list of such lists", "prompt")
-    stop = body.get("stop")
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, list | tuple) or len(stops) > 4 or not all(
-            isinstance(s, str) and s for s in stops):
-        raise APIError(400, "stop must be a non-empty string or a list of up to 4", "stop")
-    n = body.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
-        raise APIError(400, f"n must be an integer in 1..16, got {n!r}", "n")
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise APIError(400, f"max_tokens must be an integer >= 0, got {max_tokens!r}",
-                       "max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, f"seed must be an integer, got {seed!r}", "seed")
-    settings = {"max_new_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
-                "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": tuple(stops),
-                "n": n, "seed": seed, "stream": bool(body.get("stream", False)),
-                "include_usage": bool((body.get("stream_options") or {}).get("include_usage"))}
-    if settings["top_p"] is not None and settings["top_p"] == 1:
-        settings["top_p"] = None
-    return prompts, settings
-
-
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
 def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
     """Characters at the end of `text` a stream must not send yet: the start of a stop
     string that the next tokens may complete. (The engine's text never ends in half a
@@ -184,13 +110,14 @@ def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
 
 
 def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,
-               max_pending: int = 256, timeout: float = 600.0):
+               max_pending: int = 1024, timeout: float = 600.0):
     """The FastAPI application serving `engine` (which needs its tokenizer)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
@@ -228,7 +155,11 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
                             status_code=400)
 
     def authorize(request: HTTPRequest) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 api_key.encode()):
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                            kind="authentication_error")
 
@@ -248,13 +179,23 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
         authorize(request)
         try:
             body = json.loads(await request.body())
+        except ClientDisconnect:  # hung up mid-body: nobody to answer, nothing to log
+            return Response(status_code=499)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise APIError(400, f"the body is not valid JSON: {err}") from None
         prompts, settings = parse(body, model_name)
+        asked = len(prompts) * settings["n"]
+        if asked > max_pending:
+            raise APIError(400, f"this call asks for {asked} completions ({len(prompts)} "
+                           f"prompts x n={settings['n']}), more than the {max_pending} the "
+                           "server holds at once (serve.py --max_pending); split it into "
+                           "smaller calls", "prompt")
         jobs.intersection_update([j for j in jobs if j.in_flight])
-        if len(jobs) >= max_pending:
-            raise APIError(429, f"the server is busy ({len(jobs)} completions in flight, the "
-                           "limit); retry later", kind="rate_limit_error")
+        pending = sum(not r.done for j in jobs for r in j.requests)
+        if pending + asked > max_pending:
+            raise APIError(429, f"the server is busy ({pending} completions in flight, "
+                           f"{asked} more asked, the limit is {max_pending}); retry later",
+                           kind="rate_limit_error")
         job = submit(prompts, settings)
         jobs.add(job)
         if settings["stream"]:

@@ -34,6 +34,7 @@ from gptmini.callbacks import (
     SampleCallback,
     StepCheckpoint,
     StopOnSignal,
+    StoppedAtOnce,
     progress_bar,
 )
 from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
@@ -43,6 +44,7 @@ from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
 from gptmini.precision import AUTO, auto_precision
 from gptmini.report import RunReport
+from gptmini.run_lock import is_first_process, run_lock
 from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "shakespeare-cpu.yaml"
@@ -167,9 +169,11 @@ class GPTCLI(LightningCLI):
         if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
             saved = tokenizer_entry(checkpoint)
             if "tokens" not in saved:
+                say_overridden_tokenizer(model.tokenizer, saved["name"], None, checkpoint)
                 model.tokenizer = data.tokenizer = saved["name"]
                 return
             enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
+            say_overridden_tokenizer(model.tokenizer, enc.name, enc.n_vocab, checkpoint)
         else:
             vocab_size = parse_bpe(model.tokenizer)
             if vocab_size is None:
@@ -182,6 +186,22 @@ class GPTCLI(LightningCLI):
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+
+
+def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,
+                             checkpoint: dict) -> None:
+    """A resume keeps the checkpoint's vocabulary (`name`, `n_vocab` ids; its embeddings
+    are trained for those ids); a --model.tokenizer naming another one is said to be
+    overridden, as changed learning rates are named. Before, it was replaced silently."""
+    used = str(checkpoint.get("hyper_parameters", {}).get("tokenizer", name))
+    if asked in (used, name) or (n_vocab is not None and parse_bpe(asked) == n_vocab) or (
+            Path(asked).is_file() and Path(asked).resolve() == Path(used).resolve()):
+        return
+    if rank_zero_only.rank == 0:
+        size = f", {n_vocab:,} ids" if n_vocab else ""
+        print(f"resuming: --model.tokenizer {asked} is overridden by the checkpoint's "
+              f"vocabulary ({name}{size}), which its embeddings are trained for; start a new "
+              f"--run_name to train with {asked}", flush=True)
 
 
 def _saved(ckpt_path: str | None, run: Path) -> dict:
@@ -296,7 +316,13 @@ def fit(cli: GPTCLI):
 
     Raises:
         RunInterrupted: a signal stopped the run after saving a resumable checkpoint.
+        RunInUse: another live train.py holds the run directory (see gptmini.run_lock).
     """
+    with run_lock(run_dir(cli), enabled=is_first_process()):
+        _fit(cli)
+
+
+def _fit(cli: GPTCLI):
     ckpt, checkpoints = cli.config.ckpt_path, run_dir(cli) / "checkpoints"
     if ckpt == "last" and not (checkpoints / "last.ckpt").is_file():
         print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")
@@ -353,7 +379,7 @@ def main(args: list[str] | None = None) -> int:
     """
     try:
         fit(build_cli(args))
-    except RunInterrupted as stop:
+    except (RunInterrupted, StoppedAtOnce) as stop:
         print(f"train.py: {stop}", file=sys.stderr)
         return stop.exit_code
     except SIGTERMException:  # before training began (Lightning's handler): nothing to save

@@ -94,6 +94,31 @@ def test_a_full_or_read_only_disk_raises_a_clear_error_and_keeps_the_old_file(
     assert not list(tmp_path.glob(".*.tmp-*"))
 
 
+def test_a_signal_handlers_exception_mid_write_comes_out_as_itself(tmp_path, monkeypatch):
+    """Before: a second SIGTERM landing in a save came out as torch's RuntimeError from
+    the zip writer, and train.py exited 1 with a traceback instead of 143."""
+    from gptmini.callbacks import StoppedAtOnce
+
+    path = tmp_path / "last.ckpt"
+    atomic_save(CHECKPOINT, path)
+    before = path.read_bytes()
+
+    def interrupted(obj, f):
+        def signal_arrives(data):
+            raise StoppedAtOnce(15)
+        f.file.write = signal_arrives
+        try:
+            f.write(b"partial")
+        except BaseException:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(StoppedAtOnce):
+        atomic_save({**CHECKPOINT, "step": 3}, path)
+    assert path.read_bytes() == before
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
 def test_nothing_is_staged_in_tmpdir(tmp_path, monkeypatch):
     """Lightning's writer staged every checkpoint in $TMPDIR, then moved it across."""
     staging = tmp_path / "tmpdir"

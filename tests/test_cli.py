@@ -225,3 +225,52 @@ def test_batch_file_errors_name_the_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate_main(["--checkpoint", str(ckpt), "--batch_file", str(tmp_path / "bad.jsonl")])
     assert 'bad.jsonl:2 needs a "prompt" string' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "extra", "match"), [
+    # Before: each of these ended in a Python traceback or a message naming no file.
+    ('{"prompt": "a", "stop": 5}\n', [], 'bad.jsonl:1: "stop" must be a non-empty string'),
+    ('{"prompt": "a", "temperature": true}\n', [], '"temperature" must be a number >= 0'),
+    ('{"prompt": "a", "max_new_tokens": "5"}\n', [], '"max_new_tokens" must be an integer'),
+    ('{"prompt": "a", "seed": 1180591620717411303424}\n', [], '"seed" must be an integer of 64'),
+    ('{"prompt": "a", "top_k": 2.5}\n', [], '"top_k" must be an integer >= 1 or null'),
+    (b"\xff\xfe\x00binary", [], "is not UTF-8 text (byte 0 is 0xff)"),
+    ('{"prompt": "a"}\n', ["--output", "{dir}"], "is a directory; name a file"),
+    ('{"prompt": "a"}\n', ["--output", "{dir}/missing/out.jsonl"], "cannot write there"),
+    ('{"prompt": "a"}\n', ["--max_batch", "0"], "--max_batch >= 1"),
+    ('{"prompt": "a"}\n', ["--seed", str(2**70)], "--seed 1180591620717411303424 is out of"),
+])
+def test_batch_file_and_flag_errors_name_the_input(tmp_path, capsys, content, extra, match):
+    ckpt = save_checkpoint(make_model(vocab_size=257), tmp_path / "byte.ckpt", tokenizer="byte")
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    extra = [e.replace("{dir}", str(tmp_path)) for e in extra]
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--checkpoint", str(ckpt), "--batch_file", str(path), *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_a_binary_prompt_file_is_named(tmp_path, capsys, checkpoint):
+    (tmp_path / "p.txt").write_bytes(b"\x80\x81")
+    with pytest.raises(SystemExit):
+        generate_main(["--checkpoint", str(checkpoint), "--prompt_file", str(tmp_path / "p.txt")])
+    assert "p.txt is not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value", "match"), [
+    ("--block_size", "0", "--block_size 0 is invalid: use 1 or more"),
+    ("--max_batch", "0", "--max_batch 0 is invalid: use 1 or more"),
+    ("--num_blocks", "-3", "--num_blocks -3 is invalid"),
+    ("--timeout", "nan", "--timeout nan is invalid"),
+    ("--drain", "-1", "--drain -1.0 is invalid"),
+])
+def test_serve_py_numbers_are_checked_before_the_engine(checkpoint, capsys, flag, value, match):
+    """Before: --block_size 0 was a ZeroDivisionError, --max_batch 0 blamed num_blocks."""
+    from gptmini.cli import serve_main
+
+    pytest.importorskip("uvicorn")
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--checkpoint", str(checkpoint), "--port", "0", flag, value])
+    assert exc.value.code == 2 and match in capsys.readouterr().err

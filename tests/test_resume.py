@@ -337,3 +337,93 @@ def test_a_new_run_never_writes_over_another_runs_checkpoints(tmp_path, corpus, 
     assert "already has checkpoints" in err and "--ckpt_path last" in err
     assert "another --run_name" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == before
+
+
+class EarlyStopAt(Callback):
+    """Stops the run at the validation of optimizer step `step`, as EarlyStopping does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+ENDINGS = {  # how the first run ends: the extra arguments and callbacks of each
+    "max_steps": (["--trainer.max_steps", "11"], []),
+    "max_epochs": (["--trainer.max_steps", "-1", "--trainer.max_epochs", "1"], []),
+    "early_stop": ([], [EarlyStopAt(8)]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_finished_run_saves_its_final_step(tmp_path, ending):
+    """Before: a run that ended between two --checkpoint_every saves lost its last steps
+    (last.ckpt at step 10 of 11 here), and nothing said so. The final last.ckpt holds the
+    final weights and resumes; an early stop (whose schedule does not depend on where it
+    stopped) resumes to the weights of one straight run."""
+    corpus = write_corpus(tmp_path / "corpus.txt", repeats=4)
+    extra, callbacks = ENDINGS[ending]
+    common = ["--checkpoint_every", "5", "--trainer.max_steps", "24"]
+    first = build(tmp_path, corpus, "ended", *common, *extra, callbacks=callbacks)
+    fit(first)
+    ended_at = first.trainer.global_step
+    assert ended_at % 5 and 5 < ended_at < 24
+    last = tmp_path / "runs" / "ended" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == ended_at
+    assert_same_weights(weights_of(first), saved["state_dict"])
+    resumed = build(tmp_path, corpus, "ended", *common, resume=True)
+    fit(resumed)
+    assert resumed.trainer.global_step == 24
+    if ending == "early_stop":
+        straight = build(tmp_path, corpus, "straight", *common)
+        fit(straight)
+        assert_same_weights(weights_of(straight), weights_of(resumed))
+
+
+@pytest.mark.slow
+def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path, corpus):
+    """Before: the second signal, landing in the first one's save, exited 1 with a
+    RuntimeError from the checkpoint writer."""
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "100000", "--model.emb_dim",
+                     "256", "--model.n_heads", "4", "--checkpoint_every", "100000",
+                     "--trainer.val_check_interval", "100000")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and "train/loss" in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert "SIGTERM" in err.splitlines()[-1]
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    if last.exists():  # the first signal's save, if it finished before the second
+        assert torch.load(last, weights_only=True)["global_step"] > 0
+
+
+def test_a_different_tokenizer_on_resume_is_named_as_overridden(tmp_path, corpus, capsys):
+    """Before: a resume with another --model.tokenizer ran on with the checkpoint's
+    vocabulary and said nothing."""
+    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "2")) == 0
+    same = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "3", "--ckpt_path",
+                               "last"))
+    assert "overridden" not in capsys.readouterr().out
+    other = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "3", "--model.tokenizer",
+                                "byte", "--ckpt_path", "last"))
+    out = capsys.readouterr().out
+    assert "--model.tokenizer byte is overridden by the checkpoint's vocabulary (gpt2" in out
+    assert other.model.hparams.tokenizer == same.model.hparams.tokenizer == "gpt2"
+    fit(other)
+    assert other.trainer.global_step == 3

@@ -42,9 +42,9 @@ def eventually(condition, seconds: float, failure: str) -> None:
         time.sleep(0.02)
 
 
-def start(model, **options):
+def start(model, max_batch=16, **options):
     """A server on 127.0.0.1, port 0, in a thread: (base url, engine, stop function)."""
-    engine = Engine(model, ENC, block_size=4, max_batch=16)
+    engine = Engine(model, ENC, block_size=4, max_batch=max_batch)
     app = create_app(engine, "tiny", **options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -167,6 +167,27 @@ def test_fifty_concurrent_requests_all_complete_each_as_alone(client, model):
     ({"model": "tiny", "prompt": "x" * 65}, 400, "context_length is 64", "prompt"),
     ({"model": "tiny", "prompt": []}, 400, "prompt must be", "prompt"),
     ({"model": "tiny", "prompt": "a", "n": 0}, 400, "n must be", "n"),
+    # Before: the wrong JSON types below were read by truthiness or coercion, or failed.
+    ({"model": "tiny", "prompt": "a", "stream": "false"}, 400, "(a string)", "stream"),
+    ({"model": "tiny", "prompt": "a", "temperature": True}, 400, "(a boolean)", "temperature"),
+    ({"model": "tiny", "prompt": "a", "temperature": "0.7"}, 400, "must be a number",
+     "temperature"),
+    ({"model": "tiny", "prompt": "a", "top_p": True}, 400, "must be a number", "top_p"),
+    ({"model": "tiny", "prompt": "a", "top_k": 1.5}, 400, "top_k must be an integer", "top_k"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": "5"}, 400, "(a string)", "max_tokens"),
+    ({"model": "tiny", "prompt": "a", "n": 2.0}, 400, "n must be an integer", "n"),
+    ({"model": "tiny", "prompt": "a", "n": True}, 400, "(a boolean)", "n"),
+    ({"model": "tiny", "prompt": "a", "seed": 2**70}, 400, "seed must be an integer of 64 bits",
+     "seed"),
+    ({"model": "tiny", "prompt": "a", "stream_options": ["include_usage"]}, 400,
+     "stream_options must be an object", "stream_options"),
+    ({"model": "tiny", "prompt": "a", "stream": True, "stream_options": {
+        "include_usage": "yes"}}, 400, "must be true or false", "stream_options.include_usage"),
+    ({"model": "tiny", "prompt": "a", "echo": 0}, 400, "echo=0 is not supported", "echo"),
+    ({"model": "tiny", "prompt": "a", "best_of": True}, 400, "not supported", "best_of"),
+    ({"model": 5, "prompt": "a"}, 400, "model must be a string", "model"),
+    ({"model": "tiny", "prompt": "a", "user": 5}, 400, "user must be a string", "user"),
+    ({"model": "tiny", "prompt": "a", "stop": 5}, 400, "stop must be", "stop"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, model, body,
                                                                status, message, param):
@@ -244,6 +265,65 @@ def test_api_key_queue_limit_and_timeout(model, endless):
         stop()
 
 
+def test_call_size_limits_auth_scheme_and_non_streaming_disconnects(model, endless):
+    """Before: --max_pending counted calls, so one call of 2,000 prompts x n=16 queued 32,000
+    requests ahead of every other client; `Authorization: bearer KEY` got a 401."""
+    url, engine, stop = start(model, max_batch=4, api_key="secret", max_pending=12)
+    key = {"authorization": "bearer  secret"}  # the scheme is case-insensitive (RFC 9110)
+    try:
+        small = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=small, headers=key).status_code == 200
+        wrong = httpx.post(f"{url}/v1/completions", json=small,
+                           headers={"authorization": "Bearer secreT"})
+        assert wrong.status_code == 401
+        huge = httpx.post(f"{url}/v1/completions", headers=key,
+                          json={**small, "prompt": ["a", "b", "c"], "n": 5})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+        assert "15 completions (3 prompts x n=5)" in huge.json()["error"]["message"]
+        assert "--max_pending" in huge.json()["error"]["message"]
+        long = {"model": "tiny", "prompt": [endless, endless], "n": 5,
+                "max_tokens": 10_000, "temperature": 0}  # 10: 4 running, 6 queued
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True},
+                          headers=key, timeout=30) as streaming:
+            lines = streaming.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)
+            busy = httpx.post(f"{url}/v1/completions", headers=key,
+                              json={**small, "n": 3})  # 10 + 3 > 12
+            assert busy.status_code == 429
+            assert "10 completions in flight" in busy.json()["error"]["message"]
+        eventually(lambda: not engine.has_work, 10, "the closed stream kept running")
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up
+            httpx.post(f"{url}/v1/completions", json=long, headers=key, timeout=1.0)
+        assert engine.waiting, "the test needs queued requests"
+        eventually(lambda: not engine.has_work, 10,
+                   "a client that gave up left its requests (queued ones too) in the engine")
+    finally:
+        stop()
+
+
+def test_a_client_that_hangs_up_mid_body_logs_no_traceback(served):
+    import logging
+    import socket
+
+    url, _ = served
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: 1000\r\n\r\n{\"prom")
+            time.sleep(0.3)
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in seen if r.levelno >= logging.ERROR], seen[0].getMessage()
+
+
 @pytest.mark.slow
 def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
     """serve.py as users run it: SIGTERM stops new connections, finishes the running stream
@@ -293,6 +373,85 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_path):
+    """The issue's reproduction: 8 concurrent sampled calls with max_tokens 3000 that end at
+    <|endoftext|> after a few hundred tokens (a model whose <|endoftext|> has about 1/400 of
+    the probability at every step), SIGTERM once all 8 run: every one is answered in full,
+    with the text it gets undisturbed (seeded, float64), before serve.py exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_checkpoint, tiny
+
+    from gptmini.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny(context_length=64)).eval()
+    with torch.no_grad():  # a near-constant last hidden state: <|endoftext|> at ~1/400
+        model.final_norm.weight.fill_(0.1)
+        model.final_norm.bias.fill_(1.0)
+        model.out_head.weight[50256] = 0.22
+    checkpoint = save_checkpoint(model, tmp_path / "ends.ckpt")
+    reference, tokenizer, _ = load_checkpoint(checkpoint)
+    engine = Engine(reference.double(), tokenizer)
+    alone = [engine.add_request(tokenizer.encode(f"Request {i}:"), max_new_tokens=800,
+                                temperature=0.7, seed=choice_seed(i, 0),
+                                stop_ids=(tokenizer.eot_token,)) for i in range(24)]
+    while engine.has_work:
+        engine.step()
+    # Seeds whose text ends on its own after 150 to 800 tokens: all 8 surely still run
+    # when the signal comes, and none runs to max_tokens.
+    seeds = [i for i, r in enumerate(alone) if r.finish_reason == "stop"
+             and 150 <= len(r.tokens)][:8]
+    assert len(seeds) == 8
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
+                               "--port", str(port), "--dtype", "float64", "--drain", "60"],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    url = f"http://127.0.0.1:{port}"
+    bodies = [{"prompt": f"Request {i}:", "max_tokens": 3000, "temperature": 0.7, "seed": i,
+               "stream": k % 2 == 0} for k, i in enumerate(seeds)]
+
+    def call(body):
+        if not body["stream"]:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+                "choices"][0]["text"]
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+            lines = [line for line in answer.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    try:
+        eventually(lambda: server.poll() is None and _healthy(url), 60, "serve.py did not start")
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, body) for body in bodies]
+            eventually(lambda: httpx.get(f"{url}/health").json()["running"] == 8, 30,
+                       "the 8 requests did not all start")
+            server.send_signal(signal.SIGTERM)
+            texts = [f.result(timeout=120) for f in futures]
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        server.kill()
+        log = server.communicate()[0]
+    assert "Cancel" not in log, log
+    assert texts == [alone[i].text for i in seeds]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(model):

@@ -286,6 +286,54 @@ def test_a_constructor_of_its_own_is_told_to_pass_a_factory():
     assert report["causality"].status == "passed"
 
 
+class ReturnsNaN(MultiHeadAttention):
+    def forward(self, x):
+        return super().forward(x) * float("nan")
+
+
+class MutatesItsInput(MultiHeadAttention):
+    def forward(self, x):
+        out = super().forward(x)
+        x.mul_(2)  # a reader's in-place shortcut on the input
+        return out
+
+
+class Slow(MultiHeadAttention):
+    calls = 0
+
+    def forward(self, x):
+        Slow.calls += 1
+        import time
+
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+def test_what_was_seen_is_diagnosed_not_guessed():
+    """Before: a module returning NaN was told "its own key is masked", and one that
+    changed its input in place "a mask not applied"."""
+    nan = check_attention(ReturnsNaN)
+    assert "returns non-finite values for finite inputs" in nan["sees_itself"].detail
+    assert "masked" not in nan["sees_itself"].detail
+    assert "its own key is masked" in check_attention(reader("triu diagonal=0"))[
+        "sees_itself"].detail
+    mutated = check_attention(MutatesItsInput)
+    assert mutated["causality"].detail.startswith("InputMutated: it changed its input tensor")
+    assert "mask not applied" not in str(mutated)
+
+
+def test_a_slow_module_is_stopped_by_the_time_budget():
+    """Before: no budget (76 s for a module taking 0.5 s per call)."""
+    import time
+
+    start = time.monotonic()
+    report = check_attention(Slow, time_budget=0.5)
+    assert time.monotonic() - start < 3
+    unfinished = [r for r in report.results if "time budget of 0.5 s ran out" in r.detail]
+    assert unfinished and all(r.loud and r.status == "not applicable" for r in unfinished)
+    assert "WARNING" in str(report)
+
+
 # --- the command line and the pytest plugin ----------------------------------------------
 
 MODULES = """

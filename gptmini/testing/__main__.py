@@ -1,4 +1,5 @@
 """python -m gptmini.testing mypkg.mod:MyAttention: the report as a table; exit 1 on a failure.
+python -m gptmini.testing --device mps: the device parity check (gptmini.testing.device).
 
 Exit status: 0 every applicable check passed, 1 one failed, 2 the target could not be
 imported, built or run (one line on stderr says why).
@@ -21,24 +22,54 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m gptmini.testing",
         description="Check an attention module against the properties gptmini proves for its "
                     "own: causality, padding, windows, KV cache, the book's numbers and more.")
-    parser.add_argument("target", help="package.module:Name of a class with the book's "
-                        "constructor or a factory returning an nn.Module")
+    parser.add_argument("target", nargs="?",
+                        help="package.module:Name of a class with the book's constructor or a "
+                             "factory returning an nn.Module; none: check the --device instead "
+                             "(gptmini's model against CPU float64)")
     parser.add_argument("--spec", metavar="MODULE:NAME",
                         help="an AttentionSpec declaring what the signature cannot tell "
                              "(bidirectional, padding mask, window, KV cache)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float64", choices=DTYPES,
-                        help="float64 (the default) makes 'unchanged' mean unchanged to 1e-9")
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="with a target: float64 (the default) makes 'unchanged' mean "
+                             "unchanged to 1e-9; without: the one dtype to check the device in "
+                             "(default float32 and bfloat16)")
+    parser.add_argument("--backends", default="sdpa,explicit,tiled",
+                        help="without a target: the attention kernels to check the device with")
+    parser.add_argument("--time_budget", type=float, default=120.0,
+                        help="seconds for all the checks; those not reached are reported "
+                             "not applicable, with a warning (0: no limit)")
     args = parser.parse_args(argv)
+    if args.target is None:
+        return device_main(args)
     try:
         spec = load_target(args.spec) if args.spec else None
         if spec is not None and not isinstance(spec, AttentionSpec):
             raise ValueError(f"--spec {args.spec} is a {type(spec).__name__}, not an "
                              "AttentionSpec")
-        report = check_attention(args.target, spec, device=args.device, dtype=DTYPES[args.dtype])
+        report = check_attention(args.target, spec, device=args.device,
+                                 dtype=DTYPES[args.dtype or "float64"],
+                                 time_budget=args.time_budget or None)
     except ValueError as err:
         print(f"gptmini.testing: error: {err}", file=sys.stderr)
         return 2
+    print(report)
+    return 0 if report.passed else 1
+
+
+def device_main(args: argparse.Namespace) -> int:
+    """The device parity check: 0 all within tolerance, 1 a drift, 2 no such device."""
+    from gptmini.testing.device import check_device
+
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:
+        print(f"gptmini.testing: error: --device {args.device} is not available here "
+              f"({str(err).splitlines()[0]}; torch {torch.__version__})", file=sys.stderr)
+        return 2
+    dtypes = (DTYPES[args.dtype],) if args.dtype else (torch.float32, torch.bfloat16)
+    report = check_device(device, dtypes, tuple(args.backends.split(",")))
     print(report)
     return 0 if report.passed else 1
 

@@ -111,9 +111,18 @@ def sees_itself(s: Subject):
     a, b = s.inputs(1, 1, seed=2), s.inputs(1, 1, seed=3)
     out_a, out_b = s.call(module, a), s.call(module, b)
     if not out_a.isfinite().all():
-        return FAILED, (f"a single token gives {_vec(out_a)}: its own key is masked, so it has "
-                        "nothing to attend (a mask that hides the diagonal, as "
-                        "triu(..., diagonal=0) does?)")
+        # Say what was seen: NaN at position 0 only is its own key masked (position 1 still
+        # has key 0); NaN everywhere is the computation itself, whatever the mask.
+        two = s.call(module, s.inputs(1, 2, seed=2))
+        if two[:, 1].isfinite().all():
+            return FAILED, (f"a single token gives {_vec(out_a)}, and of two tokens only the "
+                            "first is not finite: its own key is masked, so it has nothing to "
+                            "attend (a mask that hides the diagonal, as triu(..., diagonal=0) "
+                            "does?)")
+        return FAILED, (f"a single token gives {_vec(out_a)}, and two tokens give "
+                        f"{_vec(two[:, 1])} at position 1, which has a key to attend: the "
+                        "module returns non-finite values for finite inputs (a NaN or inf "
+                        "in its computation, not a mask)")
     if not _moved(out_a, out_b, s.atol).any():
         return FAILED, ("a single token's output does not depend on the token: it attends to "
                         "no key, itself included")

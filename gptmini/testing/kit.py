@@ -1,6 +1,7 @@
 """check_attention: run the checks on a target and report, one row per property."""
 
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,7 +92,9 @@ def prepare(target: Callable[..., nn.Module] | str, spec: AttentionSpec | None =
         raise ValueError(f"{name} is a {type(target).__name__}, not a class or factory")
     subject = Subject(target, spec or AttentionSpec(), dtype, device)
     try:
-        out = subject.call(subject.build(), subject.inputs(1, 3))
+        start = time.monotonic()
+        out = subject.call(subject.build(), subject.inputs(1, 3), trial=True)
+        subject.call_seconds = time.monotonic() - start
     except Exception as err:  # noqa: BLE001 - the user's code: any error, reported in one line
         raise ValueError(f"cannot build and run {name}: {one_line(err)}"
                          f"{_factory_hint(name, subject)}") from err
@@ -146,8 +149,8 @@ def run_check(subject: Subject, name: str) -> CheckResult:
 
 
 def check_attention(target: Callable[..., nn.Module] | str, spec: AttentionSpec | None = None,
-                    *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64
-                    ) -> Report:
+                    *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
+                    time_budget: float | None = 120.0) -> Report:
     """Run every check that applies to `target`; returns the report (also when it fails).
 
     Args:
@@ -158,12 +161,18 @@ def check_attention(target: Callable[..., nn.Module] | str, spec: AttentionSpec 
         spec: what the signature cannot reveal (causal or not, padding, window, KV cache).
         device: where to run.
         dtype: float64 by default, so that "unchanged" means unchanged to 1e-9.
+        time_budget: seconds for all the checks (None: no limit); a check the budget does
+            not reach is reported not applicable, with a warning (a correct module takes
+            well under a second in all; a slow one would otherwise run for minutes).
 
     Raises:
         ValueError: the target cannot be imported, built or run at all.
     """
     name, subject = prepare(target, spec, device=device, dtype=dtype)
     report = Report(name, describe(subject))
+    if time_budget is not None:
+        subject.time_budget = time_budget
+        subject.deadline = time.monotonic() + time_budget
     report.results = [run_check(subject, check_name) for check_name, _ in CHECKS]
     return report
 

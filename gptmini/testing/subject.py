@@ -1,6 +1,8 @@
 """What the kit tests: the declared spec, and the Subject that builds and calls the target."""
 
 import inspect
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +59,10 @@ class NotApplicable(Exception):
         self.loud = loud
 
 
+class InputMutated(Exception):
+    """The module wrote into its input tensor: every check would see a different input."""
+
+
 class Subject:
     """The attention under test: builds it with the kit's sizes and calls it."""
 
@@ -77,6 +83,7 @@ class Subject:
         self.heads_known = spec.num_heads is not None or self.takes("num_heads")
         self.num_heads = spec.num_heads or 2
         self.context_length = 32
+        self.deadline, self.time_budget, self.call_seconds = math.inf, math.inf, 0.0
 
     def takes(self, name: str) -> bool:
         return name in self.accepts or (self.any_keyword and name in BOOK_ARGS + ("qkv_bias",))
@@ -110,15 +117,31 @@ class Subject:
         return (torch.randn(b, n, self.d_in, generator=gen) * scale).to(self.device, self.dtype)
 
     def call(self, module: nn.Module, x: Tensor, real: Tensor | None = None,
-             grad: bool = False) -> Tensor:
+             grad: bool = False, trial: bool = False) -> Tensor:
         """Run the module (without autograd unless `grad`); `real` (b, n) marks real tokens
-        and is passed as the declared padding mask."""
+        and is passed as the declared padding mask. `trial`: a first try, which reports
+        no changed input (the checks do).
+
+        Raises:
+            InputMutated: the module changed `x` in place.
+            NotApplicable: the time budget ran out.
+        """
+        if time.monotonic() > self.deadline:
+            raise NotApplicable(f"not finished: the time budget of {self.time_budget:g} s ran "
+                                f"out (one call takes about {self.call_seconds:.2g} s); give "
+                                "a larger time_budget (--time_budget)", loud=True)
         kwargs = {}
         if real is not None:
             mask = real if self.spec.padding_marks == "real" else ~real
             kwargs[self.spec.padding] = mask.to(self.device)
+        before = x.detach().clone()
         with torch.set_grad_enabled(grad):
-            return module(x, **kwargs)
+            out = module(x, **kwargs)
+        if not trial and not torch.equal(before.nan_to_num(), x.detach().nan_to_num()):
+            raise InputMutated("it changed its input tensor in place (an in-place operation "
+                               "such as x += ..., x.mul_(...) or x[...] = ... on the input); "
+                               "a layer must leave its input as it was: write x = x + ...")
+        return out
 
     def call_seeing_heads(self, module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """The output and, when the module has the book's `out_proj`, that projection's input:
