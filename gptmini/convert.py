@@ -33,6 +33,7 @@ __all__ = [
     "to_hf_state_dict",
     "load_hf",
     "export_hf",
+    "model_from_weights",
     "read_hf_weights",
     "write_tokenizer_files",
 ]
@@ -186,16 +187,27 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping | ob
         ours[name] = tensor.t() if transpose else tensor
     ignored = {k for k in theirs if k.endswith((".attn.bias", ".attn.masked_bias"))}
     unknown = sorted(set(theirs) - seen - ignored - {"lm_head.weight"})
+    return model_from_weights(cfg, ours, unknown, "GPT-2")
+
+
+def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list[str],
+                       layout: str) -> GPTModel:
+    """A `GPTModel` (eval mode) of `cfg` holding `weights` (gptmini's names), mapped from a
+    `layout` state dict in which the keys `unknown` had no place.
+
+    Raises:
+        ValueError: weights with no place, or weights that do not fit `cfg`.
+    """
     if unknown:
-        raise ValueError(f"the GPT-2 state dict has weights GPTModel has no place for: "
+        raise ValueError(f"the {layout} state dict has weights GPTModel has no place for: "
                          f"{unknown[:5]}")
     if cfg.tie_weights:
-        ours["out_head.weight"] = ours["tok_emb.weight"]
+        weights["out_head.weight"] = weights["tok_emb.weight"]
     model = GPTModel(cfg)
     try:
-        model.load_state_dict(ours, strict=True)
+        model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
-        raise ValueError(f"the GPT-2 weights do not fit its config ({cfg}):\n{err}") from err
+        raise ValueError(f"the {layout} weights do not fit its config ({cfg}):\n{err}") from err
     return model.eval()
 
 
@@ -279,7 +291,7 @@ def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
 def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
               ) -> Path:
     """Write `model` as a GPT-2 directory that `transformers` loads (a model of Llama's
-    architecture, rotary + SwiGLU, as a Llama directory: gptmini.llama.export_llama).
+    architecture, rotary + SwiGLU, as a `LlamaForCausalLM` directory: gptmini.llama).
 
     The directory holds `config.json` and `model.safetensors`, and
     `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,
@@ -293,12 +305,13 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
         ValueError: the model uses grouped-query or sliding-window attention, or
             `tokenizer` does not have the model's number of ids.
     """
-    if model.cfg.position == "rope" and model.cfg.mlp == "swiglu":
-        from gptmini.llama import export_llama  # Llama's architecture: Llama's layout
+    if model.cfg.position == "rope" and model.cfg.mlp == "swiglu":  # Llama's architecture
+        from gptmini.llama import config_to_llama, to_llama_state_dict
 
-        return export_llama(model, directory, tokenizer)
-    hf_config = config_to_hf(model.cfg)
-    state = {k: v.cpu() for k, v in to_hf_state_dict(model).items()}
+        hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
+    else:
+        hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
+    state = {k: v.cpu() for k, v in state.items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:

@@ -12,21 +12,18 @@ key projections become ours by permuting each head's rows (`interleaved_to_halve
 is what `transformers`' own conversion script does.
 
 A directory is read and written without importing `transformers`: `config.json` and
-`model.safetensors` (see gptmini.convert, which dispatches here on `model_type: llama`).
+`model.safetensors`, by gptmini.convert's `load_hf` and `export_hf`, which use this layout
+for `model_type: llama` and for a model of Llama's architecture.
 """
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
-from safetensors.torch import save_file
-from tiktoken import Encoding
 from torch import Tensor
 
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["TABLE", "config_from_llama", "config_to_llama", "export_llama",
-           "from_llama_state_dict", "interleaved_to_halves", "to_llama_state_dict"]
+__all__ = ["TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
+           "interleaved_to_halves", "to_llama_state_dict"]
 
 TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
     ("tok_emb.weight", "model.embed_tokens.weight"),
@@ -124,6 +121,8 @@ def config_to_llama(cfg: GPTConfig) -> dict:
 
 def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:
     """A `GPTModel` (eval mode) holding a `LlamaForCausalLM`'s weights."""
+    from gptmini.convert import model_from_weights
+
     cfg = config_from_llama(hf_config)
     ours, seen = {}, set()
     for name, hf_name in _expand(cfg.n_layers):
@@ -135,17 +134,7 @@ def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) 
         seen.add(hf_name)
     unknown = sorted(k for k in set(state_dict) - seen
                      if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
-    if unknown:
-        raise ValueError(f"the Llama state dict has weights GPTModel has no place for: "
-                         f"{unknown[:5]}")
-    if cfg.tie_weights:
-        ours["out_head.weight"] = ours["tok_emb.weight"]
-    model = GPTModel(cfg)
-    try:
-        model.load_state_dict(ours, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"the Llama weights do not fit its config ({cfg}):\n{err}") from err
-    return model.eval()
+    return model_from_weights(cfg, ours, unknown, "Llama")
 
 
 def to_llama_state_dict(model: GPTModel) -> dict[str, Tensor]:
@@ -156,23 +145,6 @@ def to_llama_state_dict(model: GPTModel) -> dict[str, Tensor]:
     return {hf_name: ours[name].detach().clone().contiguous()
             for name, hf_name in _expand(model.cfg.n_layers)
             if not (name == "out_head.weight" and model.cfg.tie_weights)}
-
-
-def export_llama(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
-                 ) -> Path:
-    """Write `model` as a directory `transformers.LlamaForCausalLM.from_pretrained` loads
-    (config.json, model.safetensors, and with `tokenizer` its tokenizer files)."""
-    from gptmini.convert import write_tokenizer_files
-
-    hf_config = config_to_llama(model.cfg)
-    state = {k: v.cpu() for k, v in to_llama_state_dict(model).items()}
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:
-        write_tokenizer_files(model, tokenizer, directory, hf_config)
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return directory
 
 
 def interleaved_to_halves(weight: Tensor, n_heads: int) -> Tensor:

@@ -62,30 +62,6 @@ def modern(tiny_config, **fields):
     return replace(tiny_config, **options)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
-@pytest.mark.parametrize("kv_heads", [None, 1])
-def test_rotary_attention_equals_the_explicit_path_on_every_backend(backend, kv_heads):
-    def make(name):
-        torch.manual_seed(0)
-        mha = MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=kv_heads,
-                                 window_size=6, backend=name, rope_theta=100.0, qk_norm=True)
-        if name == "tiled":
-            mha.kernel.tile = 4
-        return mha
-
-    x = torch.randn(2, 13, 16, requires_grad=backend != "flex")
-    real = torch.ones(2, 13, dtype=torch.long)
-    real[0, :4] = 0
-    documents = torch.tensor([[0] * 8 + [1] * 5, [0] * 13])
-    want = make("explicit")(x, real, document_ids=documents)
-    with torch.set_grad_enabled(backend != "flex"):
-        got = make(backend)(x, real, document_ids=documents)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    if backend != "flex":
-        torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0],
-                                   torch.autograd.grad(want.sum(), x)[0], atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("position", ["rope", "none", "learned"])
 def test_the_kv_cache_equals_recomputing_for_every_position_scheme(tiny_config, position):
     model = GPTModel(modern(tiny_config, position=position)).double().eval()
@@ -190,15 +166,22 @@ def loop_attention(q, k, v, slopes, cap, window):
 
 MODIFIERS = {"alibi": {"alibi": True}, "softcap": {"softcap": 0.9},
              "alibi+softcap": {"alibi": True, "softcap": 1.5}}
+OPTIONS = {  # MultiHeadAttention options the equality test runs on every backend
+    "rope+qk_norm": {"rope_theta": 100.0, "qk_norm": True},
+    "rope+mqa": {"rope_theta": 100.0, "num_kv_heads": 1},
+    **{name: {**options, "num_kv_heads": 2} for name, options in MODIFIERS.items()},
+}
 
 
-@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
-def test_score_modifiers_are_equal_on_every_backend_outputs_and_gradients(backend, modifier):
+def test_every_option_is_equal_on_every_backend_outputs_and_gradients(backend, option):
+    """Rotary, QK-norm and the score modifiers, with padding, documents, a window and
+    grouped-query attention, against the explicit path (flex: forward only on CPU)."""
     def make(name):
         torch.manual_seed(0)
-        mha = MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, num_kv_heads=2, window_size=7,
-                                 backend=name, **MODIFIERS[modifier])
+        mha = MultiHeadAttention(16, 16, 64, 0.0, num_heads=4, window_size=7, backend=name,
+                                 **OPTIONS[option])
         if name == "tiled":
             mha.kernel.tile = 4
         return mha
