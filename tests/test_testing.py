@@ -125,7 +125,7 @@ def not_applicable(report) -> set[str]:
 
 def test_the_books_variants_pass_where_they_apply():
     report = assert_attention(reader(), READER_SPEC)
-    assert not_applicable(report) == {"window", "kv_cache"}
+    assert not_applicable(report) == {"window", "kv_cache", "relative_positions"}
     assert report["book_numbers"].status == "passed"
     for target, spec in ((reader(), WINDOW_SPEC), (both_ways(), BOTH_WAYS_WINDOW)):
         assert assert_attention(target, spec)["window"].status == "passed"
@@ -227,12 +227,13 @@ def test_report_says_what_it_tested_and_what_it_could_not():
     report = check_attention(MultiHeadAttention)
     assert report.tested.startswith("the book's constructor, d_in=8, d_out=8, num_heads=2")
     assert "declared: no padding mask, window or KV cache" in report.tested
-    assert not_applicable(report) == {"padding", "fully_padded_queries", "window", "kv_cache"}
+    assert not_applicable(report) == {"padding", "fully_padded_queries", "window", "kv_cache",
+                                      "relative_positions"}
     assert "declare AttentionSpec(window=" in report["window"].detail  # it takes window_size
     assert [r.name for r in report.results] == [name for name, _ in CHECKS]
     text = str(report)
     assert text.splitlines()[0] == "attention conformance: MultiHeadAttention"
-    assert "11 passed, 0 failed, 4 not applicable" in text
+    assert "11 passed, 0 failed, 5 not applicable" in text
 
 
 def test_a_factory_without_the_books_names_is_told_the_scale_goes_unchecked():
@@ -375,7 +376,7 @@ def test_pytest_plugin_runs_each_check_as_a_named_test(tmp_path):
     assert re.search(r"FAILED .*mine:Leaky::causality", result.stdout), result.stdout
     assert re.search(r"PASSED .*mine:Leaky::output_shape", result.stdout), result.stdout
     assert re.search(r"SKIPPED \[1\] .*: no window declared", result.stdout), result.stdout
-    assert "3 failed, 8 passed, 4 skipped" in result.stdout, result.stdout
+    assert "3 failed, 8 passed, 5 skipped" in result.stdout, result.stdout
 
 
 # --- the README shows a real report ------------------------------------------------------

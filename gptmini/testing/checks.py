@@ -1,4 +1,5 @@
-"""The properties, one function each: subject -> ("passed" | "failed", what it saw).
+"""The properties, one function each: subject -> ("passed" | "failed", what it saw). The
+padding, window and KV-cache checks are in masking.py, relative positions in positions.py.
 
 A check searches small sizes in a fixed order (shortest length first, then the earliest
 token) and stops at the first input that breaks the property, so a failure names the
@@ -9,11 +10,11 @@ A check raises NotApplicable when what it needs is neither detectable nor declar
 import torch
 from torch import Tensor, nn
 
+from gptmini.testing.masking import fully_padded_queries, kv_cache, padding, window
+from gptmini.testing.outcomes import FAILED, LENGTHS, PASSED, gap, refusal, vec, where_differs
+from gptmini.testing.positions import relative_positions
 from gptmini.testing.subject import NotApplicable, Subject, one_line
 
-PASSED, FAILED = "passed", "failed"
-LENGTHS = (2, 3, 4, 5, 6, 7, 8, 16, 32)
-"""Sequence lengths the searches try, shortest first (32 is the kit's context_length)."""
 BOOK_NAMES = ("W_query", "W_key", "W_value", "out_proj")
 BOOK_INPUTS = [  # "Your journey starts with one step" in 3 dimensions (book section 3.3)
     [0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
@@ -23,26 +24,6 @@ BOOK_OUTPUT = [  # what Listing 3.5 prints under torch.manual_seed(123), for eac
     [0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593],
     [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028],
 ]
-
-
-def _moved(a: Tensor, b: Tensor, atol: float) -> Tensor:
-    """(b, num_tokens): True where the two outputs differ (NaN against a number counts)."""
-    differs = ((a - b).abs() > atol) | (a.isnan() ^ b.isnan())
-    return differs.flatten(2).any(-1)
-
-
-def _gap(a: Tensor, b: Tensor) -> str:
-    gap = (a - b).abs().nan_to_num(float("inf")).max().item()
-    return "NaN" if gap != gap else f"{gap:.2g}"
-
-
-def _vec(v: Tensor) -> str:
-    return "[" + ", ".join(f"{x:.4f}" for x in v.flatten()[:3].tolist()) + \
-        (", ...]" if v.numel() > 3 else "]")
-
-
-def _refusal(err: Exception) -> NotApplicable:
-    return NotApplicable(f"it refuses: {one_line(err, 100)}")
 
 
 def output_shape(s: Subject):
@@ -74,20 +55,20 @@ def causality(s: Subject):
             changed = x.clone()
             changed[:, j] = s.inputs(1, 1, seed=100 + j)[:, 0]
             out2, heads2 = s.call_seeing_heads(module, changed)
-            moved = _moved(out[:, :j], out2[:, :j], s.atol)[0]
+            moved = where_differs(out[:, :j], out2[:, :j], s.atol)[0]
             if moved.any():
                 i = int(moved.nonzero()[0])
                 where = ""
                 if heads is not None and heads2 is not None and s.heads_known:
                     size = heads.shape[-1] // s.num_heads
-                    leaking = [h for h in range(s.num_heads) if _moved(
+                    leaking = [h for h in range(s.num_heads) if where_differs(
                         heads[:, i:i + 1, h * size:(h + 1) * size],
                         heads2[:, i:i + 1, h * size:(h + 1) * size], s.atol).any()]
                     if leaking:
                         where = (f", in head{'s' if len(leaking) > 1 else ''} "
                                  f"{' and '.join(map(str, leaking))}")
                 return FAILED, (f"length {n}: changing token {j} moves the output at position "
-                                f"{i}{where} by {_gap(out[:, i], out2[:, i])}: it sees a later "
+                                f"{i}{where} by {gap(out[:, i], out2[:, i])}: it sees a later "
                                 "token (a mask not applied, as masked_fill without its "
                                 "underscore; a softmax over the queries; heads merged without "
                                 "a transpose?)")
@@ -100,7 +81,7 @@ def _attends_both_ways(s: Subject, module: nn.Module):
     x = s.inputs(1, 2)
     changed = x.clone()
     changed[:, 1] = s.inputs(1, 1, seed=101)[:, 0]
-    if not _moved(s.call(module, x)[:, :1], s.call(module, changed)[:, :1], s.atol).any():
+    if not where_differs(s.call(module, x)[:, :1], s.call(module, changed)[:, :1], s.atol).any():
         return FAILED, ("declared bidirectional (causal=False), but changing token 1 of 2 does "
                         "not move the output at position 0: it is causal")
     return PASSED, "declared bidirectional: a later token moves an earlier output"
@@ -115,15 +96,15 @@ def sees_itself(s: Subject):
         # has key 0); NaN everywhere is the computation itself, whatever the mask.
         two = s.call(module, s.inputs(1, 2, seed=2))
         if two[:, 1].isfinite().all():
-            return FAILED, (f"a single token gives {_vec(out_a)}, and of two tokens only the "
+            return FAILED, (f"a single token gives {vec(out_a)}, and of two tokens only the "
                             "first is not finite: its own key is masked, so it has nothing to "
                             "attend (a mask that hides the diagonal, as triu(..., diagonal=0) "
                             "does?)")
-        return FAILED, (f"a single token gives {_vec(out_a)}, and two tokens give "
-                        f"{_vec(two[:, 1])} at position 1, which has a key to attend: the "
+        return FAILED, (f"a single token gives {vec(out_a)}, and two tokens give "
+                        f"{vec(two[:, 1])} at position 1, which has a key to attend: the "
                         "module returns non-finite values for finite inputs (a NaN or inf "
                         "in its computation, not a mask)")
-    if not _moved(out_a, out_b, s.atol).any():
+    if not where_differs(out_a, out_b, s.atol).any():
         return FAILED, ("a single token's output does not depend on the token: it attends to "
                         "no key, itself included")
     return PASSED, "a single token attends to itself: finite, and moves with the token"
@@ -134,14 +115,14 @@ def identical_tokens(s: Subject):
     one = s.inputs(1, 1)
     single = s.call(module, one)
     if not single.isfinite().all():
-        return FAILED, f"a single token gives {_vec(single)}: nothing to compare with"
+        return FAILED, f"a single token gives {vec(single)}: nothing to compare with"
     for n in LENGTHS[:7]:
         out = s.call(module, one.expand(1, n, s.d_in).contiguous())
-        moved = _moved(out, single.expand_as(out), s.atol)[0]
+        moved = where_differs(out, single.expand_as(out), s.atol)[0]
         if moved.any():
             i = int(moved.nonzero()[0])
-            return FAILED, (f"one token repeated {n} times gives {_vec(out[0, i])} at position "
-                            f"{i}, not the single token's {_vec(single[0, 0])}: attention "
+            return FAILED, (f"one token repeated {n} times gives {vec(out[0, i])} at position "
+                            f"{i}, not the single token's {vec(single[0, 0])}: attention "
                             "weights that do not sum to 1 over the keys (softmax over the "
                             "wrong dimension?), or heads or positions mixed up")
     return PASSED, ("a repeated token gives the single token's output everywhere (weights sum "
@@ -156,12 +137,12 @@ def batch_rows_independent(s: Subject):
             out = s.call(module, x)
             for row in range(b):
                 alone = s.call(module, x[row:row + 1])
-                moved = _moved(out[row:row + 1], alone, s.atol)[0]
+                moved = where_differs(out[row:row + 1], alone, s.atol)[0]
                 if moved.any():
                     i = int(moved.nonzero()[0])
                     return FAILED, (f"batch of {b}, length {n}: row {row} differs from the same "
                                     f"sequence alone at position {i} by "
-                                    f"{_gap(out[row, i], alone[0, i])}: rows see each other")
+                                    f"{gap(out[row, i], alone[0, i])}: rows see each other")
     return PASSED, "each row of batches of 2 and 3 equals its sequence alone, lengths 1, 3, 6"
 
 
@@ -170,14 +151,14 @@ def eval_deterministic(s: Subject):
     if not s.takes("dropout"):
         module = s.build()
         first, second = s.call(module, x), s.call(module, x)
-        if _moved(first, second, s.atol).any():
+        if where_differs(first, second, s.atol).any():
             return FAILED, "two calls in eval mode differ: randomness in eval mode"
         return PASSED, "two eval calls agree (it takes no dropout argument: only that tested)"
     module, without = s.build(dropout=0.5), s.build(dropout=0.0)
     first, second = s.call(module, x), s.call(module, x)
-    if _moved(first, second, s.atol).any():
-        return FAILED, f"two calls in eval mode differ by {_gap(first, second)}"
-    if _moved(first, s.call(without, x), s.atol).any():
+    if where_differs(first, second, s.atol).any():
+        return FAILED, f"two calls in eval mode differ by {gap(first, second)}"
+    if where_differs(first, s.call(without, x), s.atol).any():
         return FAILED, ("built with dropout 0.5, its eval output differs from dropout 0's: "
                         "dropout is still on after .eval() (a functional dropout that ignores "
                         "self.training?)")
@@ -192,8 +173,9 @@ def dropout_in_training(s: Subject):
     try:
         first, second = s.call(module, x), s.call(module, x)
     except (ValueError, NotImplementedError) as err:
-        raise _refusal(err) from err
-    if not _moved(first, second, s.atol).any() or not _moved(first, reference, s.atol).any():
+        raise refusal(err) from err
+    if (not where_differs(first, second, s.atol).any()
+            or not where_differs(first, reference, s.atol).any()):
         return FAILED, ("built with dropout 0.5, training mode gives the eval output: dropout "
                         "is never applied")
     return PASSED, "training mode with dropout 0.5: calls differ from each other and from eval"
@@ -240,12 +222,12 @@ def equals_gptmini(s: Subject):
     for b, n in ((1, 1), (1, 2), (1, 3), (2, 5), (2, 8), (2, s.context_length)):
         x = s.inputs(b, n)
         out, expected = s.call(module, x), reference(x)
-        moved = _moved(out, expected, s.atol)
+        moved = where_differs(out, expected, s.atol)
         if moved.any():
             row, i = (int(t) for t in moved.nonzero()[0])
-            return FAILED, (f"batch {b}, length {n}: position {i} gives {_vec(out[row, i])}, "
+            return FAILED, (f"batch {b}, length {n}: position {i} gives {vec(out[row, i])}, "
                             f"gptmini's MultiHeadAttention with the same weights "
-                            f"{_vec(expected[row, i])} (a scale other than 1/sqrt(head_dim), "
+                            f"{vec(expected[row, i])} (a scale other than 1/sqrt(head_dim), "
                             "softmax over the wrong dimension, or heads split wrong?)")
     return PASSED, ("same weights, same outputs as gptmini's MultiHeadAttention (the explicit "
                     f"path), lengths 1-{s.context_length}")
@@ -276,142 +258,13 @@ def book_numbers(s: Subject):
     with torch.no_grad():
         out = module(torch.stack((book, book)))
     expected = torch.tensor(BOOK_OUTPUT, device=s.device).expand(2, 6, 2)
-    moved = _moved(out.float(), expected, 1e-4)
+    moved = where_differs(out.float(), expected, 1e-4)
     if moved.any():
         row, i = (int(t) for t in moved.nonzero()[0])
         return FAILED, (f"Listing 3.5's example (torch.manual_seed(123), d_in=3, d_out=2, 2 "
-                        f"heads, the book's six tokens) gives {_vec(out[row, i])} at position "
-                        f"{i}; the book prints {_vec(expected[row, i])}")
+                        f"heads, the book's six tokens) gives {vec(out[row, i])} at position "
+                        f"{i}; the book prints {vec(expected[row, i])}")
     return PASSED, "Listing 3.5's seeded example prints the book's numbers (to 1e-4, float32)"
-
-
-def _padded(s: Subject, side: str, real: int, pad: int) -> tuple[Tensor, Tensor, slice]:
-    """Two rows of real + pad tokens: row 0 padded on `side`, row 1 all real."""
-    width = real + pad
-    x = s.inputs(2, width, seed=10 * real + pad)
-    is_real = torch.ones(2, width, dtype=torch.bool)
-    cols = slice(pad, width) if side == "left" else slice(0, real)
-    is_real[0] = False
-    is_real[0, cols] = True
-    return x, is_real, cols
-
-
-def _no_padding_declared() -> NotApplicable:
-    return NotApplicable("no padding mask declared (AttentionSpec(padding='attention_mask', "
-                         "padding_marks='real' or 'pad'))")
-
-
-def padding(s: Subject):
-    if s.spec.padding is None:
-        raise _no_padding_declared()
-    module = s.build()
-    for real, pad in ((1, 1), (2, 1), (1, 2), (3, 2), (2, 3)):
-        for side in ("left", "right"):
-            x, is_real, cols = _padded(s, side, real, pad)
-            out = s.call(module, x, is_real)
-            alone = s.call(module, x[:1, cols])
-            moved = _moved(out[:1, cols], alone, s.atol)[0]
-            if moved.any():
-                i = int(moved.nonzero()[0])
-                return FAILED, (f"{side} padding, {real} real + {pad} pad token(s): real token "
-                                f"{i} differs from the sequence alone by "
-                                f"{_gap(out[0, cols][i], alone[0, i])}: it attends to padding "
-                                "(a mask on the queries instead of the keys, or the wrong "
-                                "polarity?)")
-            full = s.call(module, x[1:])
-            if _moved(out[1:], full, s.atol).any():
-                return FAILED, (f"{side} padding, {real} real + {pad} pad token(s): the unpadded "
-                                "row beside the padded one differs from itself alone")
-    return PASSED, ("left and right padding, 1-3 real + 1-3 pad tokens: real tokens equal each "
-                    "sequence alone")
-
-
-def fully_padded_queries(s: Subject):
-    if s.spec.padding is None:
-        raise _no_padding_declared()
-    module = s.build()
-    x = s.inputs(3, 4)
-    is_real = torch.tensor([[False] * 4, [False, False, True, True], [True, False, False, True]])
-    out = s.call(module, x, is_real)
-    bad = ~out.isfinite().flatten(2).all(-1)
-    if bad.any():
-        row, i = (int(t) for t in bad.nonzero()[0])
-        what = "an all-padding row" if row == 0 else "a row padded on the left"
-        return FAILED, (f"{what}: position {i} gives {_vec(out[row, i])}; a query with no real "
-                        "key to attend must give a finite output (softmax over only -inf is "
-                        "NaN)")
-    try:
-        x.requires_grad_(True)
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-        (s.call(module, x, is_real, grad=True) * weights.to(x)).sum().backward()
-    except (ValueError, NotImplementedError) as err:
-        return PASSED, f"outputs finite (gradients not tested: {one_line(err, 80)})"
-    grads = {"the input": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
-    for name, grad in grads.items():
-        if grad is not None and not grad.isfinite().all():
-            return FAILED, (f"outputs finite, but {name}'s gradient is not: a masked row's "
-                            "NaN flows back (torch.where keeps the NaN branch's gradient)")
-    return PASSED, "an all-padding row and left padding: outputs and gradients finite"
-
-
-def window(s: Subject):
-    w = s.spec.window
-    if w is None:
-        hint = next((f": it takes {name!r}, declare AttentionSpec(window=..., window_kwarg="
-                     f"{name!r})" for name in sorted(s.accepts) if "window" in name), "")
-        raise NotApplicable(f"no window declared{hint}")
-    reach = w - 1 if s.spec.window_counts_self else w  # the farthest key a query sees
-    convention = f"keys i-{reach}..i" if s.spec.causal else f"keys i-{reach}..i+{reach}"
-    module = s.build()
-    for n in range(2, reach + 5):
-        x = s.inputs(1, n)
-        out = s.call(module, x)
-        for j in range(n):
-            changed = x.clone()
-            changed[:, j] = s.inputs(1, 1, seed=200 + j)[:, 0]
-            moved = _moved(out, s.call(module, changed), s.atol)[0]
-            for i in range(n):
-                if i == j or (s.spec.causal and j > i):  # its own token; causality's matter
-                    continue
-                inside = abs(i - j) <= reach
-                if inside and not moved[i]:
-                    return FAILED, (f"length {n}: key {j} is {abs(i - j)} position(s) from "
-                                    f"query {i}, inside the window of {w} ({convention}), and "
-                                    "does not move its output: the window is too small")
-                if moved[i] and not inside:
-                    return FAILED, (f"length {n}: key {j} is {abs(i - j)} position(s) from "
-                                    f"query {i}, outside the window of {w} ({convention}), and "
-                                    "moves its output: the window is too large")
-    return PASSED, (f"window {w} ({convention}): every key inside moves the output, none "
-                    f"outside does (lengths 2-{reach + 4})")
-
-
-def kv_cache(s: Subject):
-    step = s.spec.kv_step
-    if step is None:
-        raise NotApplicable("no KV cache declared (AttentionSpec(kv_step=...))")
-    module = s.build()
-    for n in range(2, max(8, (s.spec.window or 0) + 4) + 1):
-        x = s.inputs(2, n)
-        full = s.call(module, x)
-        for prefill in range(1, n):
-            with torch.no_grad():
-                pieces, state = [], None
-                for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n)]:
-                    out, state = step(module, x[:, start:end], state)
-                    pieces.append(out)
-            got = torch.cat(pieces, dim=1)
-            if got.shape != full.shape:
-                return FAILED, (f"length {n}, prefill {prefill} then one token at a time: "
-                                f"outputs of shape {tuple(got.shape)}, expected "
-                                f"{tuple(full.shape)}")
-            moved = _moved(got, full, s.atol)
-            if moved.any():
-                row, i = (int(t) for t in moved.nonzero()[0])
-                return FAILED, (f"length {n}, prefill {prefill} then one token at a time: "
-                                f"position {i} differs from the full recompute by "
-                                f"{_gap(got[row, i], full[row, i])}")
-    return PASSED, "every prefill length, then one token at a time, equals full recompute (2-8)"
 
 
 def large_inputs_finite(s: Subject):
@@ -423,9 +276,9 @@ def large_inputs_finite(s: Subject):
         if bad.any():
             row, i = (int(t) for t in bad.nonzero()[0])
             if scale == 1.0:
-                return FAILED, (f"not finite even at scale 1: {_vec(out[row, i])} at position "
+                return FAILED, (f"not finite even at scale 1: {vec(out[row, i])} at position "
                                 f"{i} (row {row})")
-            return FAILED, (f"inputs scaled by 1e3 give {_vec(out[row, i])} at position {i}: "
+            return FAILED, (f"inputs scaled by 1e3 give {vec(out[row, i])} at position {i}: "
                             "the softmax overflows (exp of large scores; subtract each row's "
                             "maximum, as torch.softmax does)")
     try:
@@ -447,7 +300,7 @@ def gradients_reach_all_parameters(s: Subject):
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
         (out * weights.to(out)).sum().backward()
     except (ValueError, NotImplementedError) as err:
-        raise _refusal(err) from err
+        raise refusal(err) from err
     trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     none = [name for name, p in trained if p.grad is None]
     zero = [name for name, p in trained if p.grad is not None and not p.grad.any()]
@@ -474,6 +327,7 @@ CHECKS = [
     ("fully_padded_queries", fully_padded_queries),
     ("window", window),
     ("kv_cache", kv_cache),
+    ("relative_positions", relative_positions),
     ("large_inputs_finite", large_inputs_finite),
     ("gradients_reach_all_parameters", gradients_reach_all_parameters),
 ]

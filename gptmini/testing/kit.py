@@ -129,6 +129,8 @@ def describe(subject: Subject) -> str:
         declared.append(f"window {s.window} via {s.window_kwarg!r}")
     if s.kv_step is not None:
         declared.append("KV cache")
+    if s.positions is not None:
+        declared.append(f"positions via {s.positions!r}")
     return (f"{constructor}, d_in={subject.d_in}, d_out={subject.d_out}, num_heads={heads}, "
             f"context_length={subject.context_length}, "
             f"{str(subject.dtype).removeprefix('torch.')} on {subject.device}; "
@@ -158,7 +160,8 @@ def check_attention(target: Callable[..., nn.Module] | str, spec: AttentionSpec 
             num_heads, qkv_bias=False), a factory returning an nn.Module that maps
             (b, num_tokens, d_in) to (b, num_tokens, d_out) (called with whichever of the
             book's arguments it takes), or "package.module:Name".
-        spec: what the signature cannot reveal (causal or not, padding, window, KV cache).
+        spec: what the signature cannot reveal (causal or not, padding, window, KV cache,
+            positions).
         device: where to run.
         dtype: float64 by default, so that "unchanged" means unchanged to 1e-9.
         time_budget: seconds for all the checks (None: no limit); a check the budget does

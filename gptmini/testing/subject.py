@@ -31,6 +31,10 @@ class AttentionSpec:
     window_counts_self: bool = True
     """True: window w lets query i see keys i-w+1 ... i (w keys, itself included; gptmini's
     and Mistral's convention). False: keys i-w ... i (w keys before it, and itself)."""
+    positions: str | None = None
+    """The forward keyword taking (b, num_tokens) integer positions of x's tokens, for
+    attention whose positions enter only as distances (rotary, ALiBi): the kit checks that
+    moving every token by the same amount changes nothing. None: not declared."""
     kv_step: Callable | None = None
     """How to run with a KV cache: kv_step(module, x_new, state) -> (out, state), starting
     from state None, where x_new is (b, new_tokens, d_in). None: no cache declared."""
