@@ -400,15 +400,15 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
     checkpoint = save_checkpoint(model, tmp_path / "ends.ckpt")
     reference, tokenizer, _ = load_checkpoint(checkpoint)
     engine = Engine(reference.double(), tokenizer)
-    alone = [engine.add_request(tokenizer.encode(f"Request {i}:"), max_new_tokens=800,
+    alone = [engine.add_request(tokenizer.encode(f"Request {i}:"), max_new_tokens=600,
                                 temperature=0.7, seed=choice_seed(i, 0),
                                 stop_ids=(tokenizer.eot_token,)) for i in range(24)]
     while engine.has_work:
         engine.step()
-    # Seeds whose text ends on its own after 150 to 800 tokens: all 8 surely still run
+    # Seeds whose text ends on its own after 120 to 600 tokens: all 8 surely still run
     # when the signal comes, and none runs to max_tokens.
     seeds = [i for i, r in enumerate(alone) if r.finish_reason == "stop"
-             and 150 <= len(r.tokens)][:8]
+             and 120 <= len(r.tokens)][:8]
     assert len(seeds) == 8
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
