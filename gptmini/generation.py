@@ -10,7 +10,9 @@ Past `context_size`, both paths slide the context as the book's `idx[:, -context
 does. The cache path stays exactly equal to that crop by recomputing the cache from the
 cropped context once the sequence has outgrown it; from then on each new token costs a
 forward pass over `context_size` tokens, the same as recompute (positions shift by one each
-step, so no cached key is still valid).
+step, so no cached key is still valid). A model whose positions enter attention only as
+distances (rotary, ALiBi, none) can instead roll its cache (`slide="roll"`): drop the oldest
+entry and feed the newest token alone, as a sliding window over the whole sequence would.
 
 Batches of prompts with different lengths are left-padded (`left_pad`) and passed with their
 `attention_mask`; the model counts positions from each row's first real token, so every row

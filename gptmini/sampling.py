@@ -112,9 +112,11 @@ def sample(logits: Tensor, params: SamplingParams | Sequence[SamplingParams],
     if len(rows) != b or len(gens) != b:
         raise ValueError(f"sample got {b} rows of logits but {len(rows)} settings and "
                          f"{len(gens)} generators; pass one for every row or one for all")
-    # float32 probabilities whatever the model computed in; a copy, as top-k writes into it
-    logits = logits.to(torch.float32, copy=True)
-    for k, where in _groups(r.top_k for r in rows):
+    logits = logits.float()  # probabilities in float32, whatever the model computed in
+    top_ks = _groups(r.top_k for r in rows)
+    if any(k is not None for k, _ in top_ks):
+        logits = logits.clone()  # top-k writes into it: never into the caller's logits
+    for k, where in top_ks:
         if k is not None:
             part = logits[where]
             kth = torch.topk(part, min(k, part.shape[-1]), dim=-1).values[:, -1:]  # (n, 1)

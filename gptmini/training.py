@@ -12,7 +12,6 @@ import ctypes
 import ctypes.util
 import difflib
 import logging
-import netrc
 import os
 import signal
 import sys
@@ -24,7 +23,6 @@ from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -35,14 +33,15 @@ from gptmini.callbacks import (
     StepCheckpoint,
     StopOnSignal,
     StoppedAtOnce,
-    progress_bar,
 )
 from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.lit_module import GPTLitModule
+from gptmini.loggers import make_loggers
 from gptmini.precision import AUTO, auto_precision
+from gptmini.progress import progress_bar
 from gptmini.report import RunReport
 from gptmini.run_lock import is_first_process, run_lock
 from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
@@ -214,29 +213,6 @@ def _saved(ckpt_path: str | None, run: Path) -> dict:
         return read_checkpoint(path, "cpu", mmap=True)
     except (ValueError, FileNotFoundError):
         return {}
-
-
-def make_loggers(run_dir: Path, run_name: str, use_wandb: bool, project: str) -> list:
-    loggers = [CSVLogger(save_dir=run_dir, name="logs")]
-    if use_wandb:
-        if not wandb_api_key_present():
-            # Offline never prompts and never waits on a network.
-            os.environ["WANDB_MODE"] = "offline"
-            print(f"wandb: no API key found, logging offline under {run_dir / 'wandb'}; "
-                  f"upload later with: wandb sync {run_dir / 'wandb'}/offline-run-*",
-                  flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        loggers.append(WandbLogger(project=project, name=run_name, save_dir=str(run_dir)))
-    return loggers
-
-
-def wandb_api_key_present() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
 
 
 def check_keys(parser, args: list[str]):

@@ -132,7 +132,7 @@ def test_callback_in_a_real_training_run_saves_maps_and_changes_nothing(tmp_path
 def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
     from types import SimpleNamespace
 
-    from gptmini.callbacks import progress_bar
+    from gptmini.progress import progress_bar
 
     # The losses are tensors among the callback metrics; lr and tok/s plain progress-bar numbers.
     trainer = SimpleNamespace(

@@ -417,3 +417,58 @@ def test_the_kit_and_the_model_import_only_torch():
     for heavy in ("lightning", "pytest", "datasets", "wandb", "jsonargparse", "tiktoken"):
         assert f"'{heavy}'" not in loaded
     assert "'torch'" in loaded
+
+
+def rotary_readme() -> tuple[str, str]:
+    """The README's rotary example (with its bug) and the report line it shows."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Rotary attention depends only on distances")
+    code = re.search(r"```python\n(.*?)```", text[start:], flags=re.S).group(1)
+    shown = re.search(r"```text\n(.*?)```", text[start:], flags=re.S).group(1)
+    return code, shown.strip()
+
+
+def test_relative_positions_catches_rotated_values_as_the_readme_shows():
+    code, shown = rotary_readme()
+    printed = []
+    namespace = {"__name__": "readme", "print": lambda *a: printed.append(" ".join(map(str, a)))}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert printed == [shown]
+    assert shown.startswith("failed - length 2: the same tokens at positions 1..2")
+    fixed = code.replace("rotate(v, positions)", "v")
+    assert fixed != code
+    printed.clear()
+    exec(compile(fixed, "README.md", "exec"), namespace)
+    assert printed[0].startswith("passed")
+
+
+def test_relative_positions_passes_ours_and_fails_keys_rotated_in_other_pairs():
+    spec = AttentionSpec(positions="positions")
+    ours = check_attention(functools.partial(MultiHeadAttention, rope_theta=10000.0), spec)
+    assert ours["relative_positions"].status == "passed", ours["relative_positions"].detail
+    assert check_attention(MultiHeadAttention)["relative_positions"].status == "not applicable"
+    code, _ = rotary_readme()
+    namespace = {"__name__": "readme", "print": lambda *a: None}
+    exec(compile(code.replace("rotate(v, positions)", "v"), "README.md", "exec"), namespace)
+
+    def interleaved(x, positions, base=10000.0):  # pairs (2i, 2i + 1), Meta's layout
+        half = x.shape[-1] // 2
+        freq = base ** (-torch.arange(half, dtype=x.dtype) / half)
+        angle = positions[:, None, :, None] * freq
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * angle.cos() - x2 * angle.sin(),
+                            x1 * angle.sin() + x2 * angle.cos()], dim=-1).flatten(-2)
+
+    class KeysInOtherPairs(namespace["RotaryAttention"]):
+        def forward(self, x, positions=None):
+            b, n, _ = x.shape
+            if positions is None:
+                positions = torch.arange(n).expand(b, n)
+            q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(
+                2, 0, 3, 1, 4)
+            q, k = namespace["rotate"](q, positions), interleaved(k, positions)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    broken = check_attention(KeysInOtherPairs, spec)["relative_positions"]
+    assert broken.status == "failed" and "positions enter absolutely" in broken.detail

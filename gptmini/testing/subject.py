@@ -121,10 +121,12 @@ class Subject:
         return (torch.randn(b, n, self.d_in, generator=gen) * scale).to(self.device, self.dtype)
 
     def call(self, module: nn.Module, x: Tensor, real: Tensor | None = None,
-             grad: bool = False, trial: bool = False) -> Tensor:
+             grad: bool = False, trial: bool = False, positions: Tensor | None = None
+             ) -> Tensor:
         """Run the module (without autograd unless `grad`); `real` (b, n) marks real tokens
-        and is passed as the declared padding mask. `trial`: a first try, which reports
-        no changed input (the checks do).
+        and is passed as the declared padding mask, `positions` (b, n) as the declared
+        positions keyword. `trial`: a first try, which reports no changed input (the checks
+        do).
 
         Raises:
             InputMutated: the module changed `x` in place.
@@ -135,6 +137,8 @@ class Subject:
                                 f"out (one call takes about {self.call_seconds:.2g} s); give "
                                 "a larger time_budget (--time_budget)", loud=True)
         kwargs = {}
+        if positions is not None:
+            kwargs[self.spec.positions] = positions.to(self.device)
         if real is not None:
             mask = real if self.spec.padding_marks == "real" else ~real
             kwargs[self.spec.padding] = mask.to(self.device)

@@ -1,0 +1,71 @@
+"""The training progress bar: optimizer steps out of the run's max_steps, with an ETA,
+across epochs and resumes."""
+
+import math
+import sys
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+__all__ = ["ProgressBar", "progress_bar"]
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, counting optimizer steps out of the run's (`max_steps`) with an
+    ETA, one bar across epochs and resumes (Lightning's counts the batches of each epoch,
+    and after a resume showed "1000/?"); loss, lr, tokens/s, val loss and bits per byte
+    under short names, each in a format that shows its digits.
+
+    The loss is a tensor on the device, so it is not a prog_bar metric (Lightning would read
+    it after every batch); the bar reads it here, when it refreshes: at logging steps.
+    """
+
+    SHORT = {"train/loss": ("loss", "{:.3f}"), "train/lr": ("lr", "{:.2e}"),
+             "train/tokens_per_sec": ("tok/s", "{:.0f}"), "val/loss": ("val_loss", "{:.3f}"),
+             "val/bpb": ("val_bpb", "{:.3f}")}
+
+    def __init__(self, refresh_rate: int = 1):
+        super().__init__(refresh_rate=refresh_rate)
+        self._shown: dict[str, str] = {}
+        self._steps_shown = 0
+
+    def on_train_start(self, trainer: Trainer, *_: Any) -> None:
+        total = trainer.estimated_stepping_batches  # optimizer steps: max_steps when set
+        # Resumed at step N: the bar starts at N, and its rate (so the ETA) counts from there.
+        self.train_progress_bar = Tqdm(
+            desc="Training", total=total if math.isfinite(total) else None,
+            initial=trainer.global_step, position=2 * self.process_position,
+            disable=self.is_disabled, leave=True, dynamic_ncols=True, file=sys.stdout,
+            smoothing=0, bar_format=self.BAR_FORMAT)
+        self._steps_shown = trainer.global_step
+
+    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
+        pass  # one bar for the whole run, whatever the epoch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        every = max(1, self.refresh_rate // max(1, trainer.accumulate_grad_batches))
+        if step != self._steps_shown and (step % every == 0 or step == bar.total):
+            self._steps_shown = step
+            if not bar.disable:
+                bar.n = step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        every = max(1, getattr(trainer, "log_every_n_steps", 1))
+        if not getattr(trainer, "training", False) or trainer.global_step % every == 0:
+            # Read the values off the device only when they were just logged (or validated):
+            # the last batch of an epoch refreshes too, and shows what was read before.
+            values = {**trainer.callback_metrics, **metrics}
+            self._shown = {short: fmt.format(float(values[key]))
+                           for key, (short, fmt) in self.SHORT.items() if key in values}
+        rest = {key: value for key, value in metrics.items() if key not in self.SHORT}
+        return {**rest, **self._shown}
+
+
+def progress_bar(refresh_rate: int = 1) -> Callback:
+    return ProgressBar(refresh_rate)
