@@ -162,16 +162,12 @@ def main():
         precisions = [args.precision]
     peaks = {p: measure_matmul_flops(seconds=2.0, dtype=torch.bfloat16 if "bf16" in p
                                      else torch.float32) for p in precisions}
-    cfg = GPTConfig(vocab_size=50257, tie_weights=True, context_length=args.context, **SHAPE)
-    flops = flops_per_token(cfg)
     print(f"machine: {cpu_description()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, glibc keeps freed memory: {kept}")
     print("matmul peak measured here (1024x1024): " + ", ".join(
         f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in precisions))
     if not cpu_has_bf16():
         print("this CPU has no bf16 units (avx512_bf16 or amx_bf16): bf16-mixed not measured")
-    print(f"model: {SHAPE}, context {args.context}, batch {BATCH}, "
-          f"{flops / 1e6:.1f} MFLOP per trained token (6N + 12*L*T*d)")
 
     if args.options or args.only_options:
         for precision in precisions:
@@ -183,11 +179,16 @@ def main():
         for precision in precisions:
             lit, cli = lightning_tokens_per_sec(args.steps, args.warmup, root, args.context,
                                                 precision)
+            # the plain loop trains train.py's model: the default run's vocabulary
+            vocab = cli.model.cfg.vocab_size
             plain = plain_tokens_per_sec(args.steps, args.warmup,
                                          cli.datamodule.train_dataloader(), args.context,
-                                         precision)
+                                         precision, vocab_size=vocab)
             rates[precision] = (plain, lit)
 
+    flops = flops_per_token(cli.model.cfg)
+    print(f"model: {SHAPE}, context {args.context}, batch {BATCH}, vocabulary {vocab} (the "
+          f"default run's), {flops / 1e6:.1f} MFLOP per trained token (6N + 12*L*T*d)")
     print(f"\n{'precision':<12}{'path':<24}{'tokens/s':>10}{'MFU vs peak':>13}")
     for precision, (plain, lit) in rates.items():
         for name, rate in (("plain PyTorch loop", plain), ("train.py (Lightning)", lit)):

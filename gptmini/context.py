@@ -181,7 +181,7 @@ class AttentionContext:
             self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
 
     def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin of the new tokens' rotary angles, (b, 1, num_tokens, head_dim / 2):
+        """cos and sin of the new tokens' rotary angles, (b, 1, num_tokens, head_dim):
         every layer of the pass rotates its queries and keys with the same ones."""
         return self._once(("rope", head_dim, theta, dtype),
                           lambda: rope_angles(self.positions, head_dim, theta, dtype))

@@ -28,16 +28,18 @@ POSITIONS = ("learned", "rope", "alibi", "none")
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float = 10000.0,
                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """cos and sin of every (position, frequency) pair.
+    """cos and sin of every (position, frequency) pair, each repeated for both halves.
 
     Args:
         positions: (b, num_tokens) integer positions.
         head_dim: the rotated vectors' size (even).
         theta: the base: frequency i is theta ** (-2i / head_dim).
-        dtype: float32 or wider (float64 stays float64).
+        dtype: the queries' dtype: the angles are computed in float32 or wider, and their
+            cos and sin given in `dtype` (as Hugging Face's Llama does under bf16).
 
     Returns:
-        cos, sin, each (b, 1, num_tokens, head_dim / 2): they broadcast over heads.
+        cos, sin, each (b, 1, num_tokens, head_dim): they broadcast over heads; dimension i
+        and i + head_dim / 2 have the same angle.
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
@@ -45,15 +47,16 @@ def rope_angles(positions: Tensor, head_dim: int, theta: float = 10000.0,
     exponents = torch.arange(0, head_dim, 2, dtype=wide, device=positions.device) / head_dim
     inv_freq = 1.0 / theta ** exponents  # (head_dim / 2,)
     angles = positions.to(wide)[..., None] * inv_freq  # (b, num_tokens, head_dim / 2)
-    return angles.cos()[:, None], angles.sin()[:, None]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (b, 1, num_tokens, head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each head's halves of `x` (b, heads, num_tokens, head_dim) by the angles."""
+    """Rotate each head's halves of `x` (b, heads, num_tokens, head_dim) by the angles:
+    (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos), as x * cos + (-x2, x1) * sin."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.to(x.dtype)
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
