@@ -71,6 +71,7 @@ class _Tiles:
                  score_mod=None):
         self.mask, self.tile, self.first = mask, tile, num_keys - num_tokens
         self.score_mod = score_mod
+        self.nonlinear_mod = score_mod is not None and not getattr(score_mod, "additive", False)
         self.num_tokens, self.num_keys, self.batch = num_tokens, num_keys, batch
         self.device = device
         if mask is None:
@@ -165,7 +166,7 @@ class _TiledAttention(torch.autograd.Function):
                 q_i = q[:, :, rows].to(wide)
                 raw = (q_i @ k_j.transpose(-1, -2)) * scale
                 with torch.enable_grad():  # a modifier's own derivative, for dS below
-                    raw = raw.requires_grad_(plan.score_mod is not None)
+                    raw = raw.requires_grad_(plan.nonlinear_mod)
                     s = raw if plan.score_mod is None else apply_score_mod(
                         plan.score_mod, raw, plan.first + rows.start, cols.start)
                 p = torch.exp(s.detach() - safe_lse[..., rows, None])  # recomputed, not stored
@@ -176,7 +177,7 @@ class _TiledAttention(torch.autograd.Function):
                 dv[:, :, cols] += p.transpose(-1, -2) @ d_o
                 dp = d_o @ v_j.transpose(-1, -2)
                 ds = p * (dp - delta[..., rows, None])  # the softmax's Jacobian, row by row
-                if plan.score_mod is not None:  # through the modifier to the raw scores
+                if plan.nonlinear_mod:  # through the modifier (a bias passes dS unchanged)
                     ds = torch.autograd.grad(s, raw, ds)[0]
                 dq[:, :, rows] += (ds @ k_j) * scale
                 dk[:, :, cols] += (ds.transpose(-1, -2) @ q_i) * scale
