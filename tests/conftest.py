@@ -13,6 +13,9 @@ from pathlib import Path
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                   WANDB_MODE="offline", WANDB_SILENT="true")
 
+# datasets' log handler binds sys.stderr when first imported: import it now, under the
+# session's stream, not inside a test whose captured stream later closes ("--- Logging error ---")
+import datasets  # noqa: E402, F401
 import pytest  # noqa: E402
 import tiktoken.load  # noqa: E402
 import torch  # noqa: E402

@@ -159,6 +159,9 @@ KIT_VARIANTS = {
     "bidirectional": ({"causal": False}, AttentionSpec(causal=False, padding="attention_mask")),
     "bidirectional window": ({"causal": False},
                              AttentionSpec(causal=False, padding="attention_mask", window=2)),
+    "rotary": ({"rope_theta": 10000.0},
+               AttentionSpec(padding="attention_mask", kv_step=gptmini_kv_step,
+                             positions="positions")),
 }
 
 
@@ -176,10 +179,14 @@ def test_every_backend_passes_every_applicable_check_of_the_kit(backend, variant
         expected.add("window")
     if spec.kv_step is None:
         expected.add("kv_cache")
+    if spec.positions is None:
+        expected.add("relative_positions")
     if backend in ("flex", "tiled"):  # no attention dropout: they refuse it, with a ValueError
         expected.add("dropout_in_training")
     if backend == "flex":  # no backward on CPU: refused
         expected.add("gradients_reach_all_parameters")
+    if variant == "rotary":  # positions move queries and keys: not the book's attention
+        expected.update({"equals_gptmini", "book_numbers"})
     if variant.startswith("bidirectional") or variant == "mqa":  # not the book's example
         expected.add("book_numbers")  # (with the book's 2 heads, 2 kv heads is plain)
     assert {r.name for r in report.results if r.status == "not applicable"} == expected, report

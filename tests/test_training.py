@@ -563,3 +563,10 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     assert not hasattr(model, "pos_emb")
     ids = torch.tensor([tokenizer.encode("ROMEO:")])
     assert generate(model, ids, 5, use_cache=True).shape == (1, ids.shape[1] + 5)
+    from gptmini.cli import visualize_main
+
+    png = tmp_path / "attention.png"
+    assert visualize_main(["attention", "--checkpoint", str(tmp_path / "runs" / "modern" /
+                           "checkpoints" / "last.ckpt"), "--prompt", "ROMEO:", "--out",
+                           str(png)]) == 0
+    assert png.stat().st_size > 0

@@ -191,6 +191,10 @@ def _book_linears(module: nn.Module) -> dict[str, nn.Module]:
 def equals_gptmini(s: Subject):
     from gptmini.attention import MultiHeadAttention
 
+    if s.spec.positions is not None:
+        raise NotApplicable("positions declared: attention that moves its queries and keys by "
+                            "position is not the book's, which this compares with (the scale "
+                            "is still checked by identical_tokens and relative_positions)")
     module = s.build()
     linears = _book_linears(module)
     if not linears:
@@ -240,6 +244,9 @@ def book_numbers(s: Subject):
                             "wrong scale could go unseen", loud=True)
     if not s.spec.causal:
         raise NotApplicable("the book's numbers are for causal attention")
+    if s.spec.positions is not None:
+        raise NotApplicable("positions declared: the book's numbers are for attention without "
+                            "positions (and its heads of size 1 cannot be rotated)")
     module = s.build(d_in=3, d_out=2, context_length=6, num_heads=2, seed=123, window=False,
                      dtype=torch.float32)
     order = [name.rsplit(".", 1)[0] for name, _ in module.named_parameters()]
