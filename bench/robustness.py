@@ -227,20 +227,27 @@ def resume_exactly(extra: list[str], ranks: int = 1, total: int = 12):
     return case
 
 
+def training_until_signalled(lab: Lab, where: Path, *extra: str) -> subprocess.Popen:
+    """train.py training until a signal stops it, returned once it has logged a training
+    loss (or ended, or 120 s passed)."""
+    args = lab.args(where, *extra, "--trainer.max_steps", "100000", "--checkpoint_every",
+                    "100000", "--trainer.val_check_interval", "100000")
+    proc = subprocess.Popen([sys.executable, str(lab.tree / "train.py"), *args], cwd=where,
+                            env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and "train/loss" in metrics.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return proc
+
+
 def signal_case(signum: int):
     def case(lab: Lab):
         where = lab.folder()
-        args = lab.args(where, "--trainer.max_steps", "100000", "--checkpoint_every", "100000",
-                        "--trainer.val_check_interval", "100000")
-        proc = subprocess.Popen([sys.executable, str(lab.tree / "train.py"), *args], cwd=where,
-                                env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-        metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and "train/loss" in metrics.read_text()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        proc = training_until_signalled(lab, where)
         proc.send_signal(signum)
         try:
             _, err = proc.communicate(timeout=120)
@@ -412,18 +419,7 @@ def final_steps_saved(lab: Lab):
 
 def two_sigterms(lab: Lab):
     where = lab.folder()
-    args = lab.args(where, "--trainer.max_steps", "100000", "--checkpoint_every", "100000",
-                    "--trainer.val_check_interval", "100000", "--model.emb_dim", "256",
-                    "--model.n_heads", "4")
-    proc = subprocess.Popen([sys.executable, str(lab.tree / "train.py"), *args], cwd=where,
-                            env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and "train/loss" in metrics.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    proc = training_until_signalled(lab, where, "--model.emb_dim", "256", "--model.n_heads", "4")
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)

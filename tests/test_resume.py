@@ -217,20 +217,31 @@ def test_a_signal_mid_accumulation_finishes_the_step_or_falls_back_to_the_last_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_train_py_saves_and_exits_128_plus_the_signal(tmp_path, corpus, signum):
-    """Before: SIGTERM ended the run with exit code 0 and no checkpoint; Ctrl-C saved none."""
-    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "100000",
+def training_until_signalled(tmp_path, corpus, *extra: str):
+    """train.py in a subprocess that trains until a signal stops it, returned with its
+    arguments once it has logged a training loss (the last 6 arguments set the endless run)."""
+    args = tiny_args(tmp_path, corpus, *extra, "--trainer.max_steps", "100000",
                      "--checkpoint_every", "100000", "--trainer.val_check_interval", "100000")
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
         while not (metrics.is_file() and "train/loss" in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, args
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_train_py_saves_and_exits_128_plus_the_signal(tmp_path, corpus, signum):
+    """Before: SIGTERM ended the run with exit code 0 and no checkpoint; Ctrl-C saved none."""
+    proc, args = training_until_signalled(tmp_path, corpus)
+    try:
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -388,18 +399,9 @@ def test_a_finished_run_saves_its_final_step(tmp_path, ending):
 def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path, corpus):
     """Before: the second signal, landing in the first one's save, exited 1 with a
     RuntimeError from the checkpoint writer."""
-    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "100000", "--model.emb_dim",
-                     "256", "--model.n_heads", "4", "--checkpoint_every", "100000",
-                     "--trainer.val_check_interval", "100000")
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
+    proc, _ = training_until_signalled(tmp_path, corpus, "--model.emb_dim", "256",
+                                       "--model.n_heads", "4")
     try:
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and "train/loss" in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
