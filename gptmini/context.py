@@ -125,10 +125,9 @@ class AttentionContext:
         if softcap is not None:
             mods.append(masks.softcap(softcap))
         score_mod = None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
-        per_row = attention_mask is not None or document_ids is not None
         return cls(positions=positions, mask=mask, num_keys=num_keys, causal=causal,
                    window_size=window_size, padded=attention_mask is not None,
-                   data_dependent=per_row,
+                   data_dependent=attention_mask is not None or document_ids is not None,
                    uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
                    softcap=softcap, rows_alike=rows_alike)
 
