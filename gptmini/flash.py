@@ -31,7 +31,7 @@ torch.compile, which would unroll its loops.
 import torch
 from torch import Tensor
 
-from gptmini.masks import MaskMod, ScoreMod, apply_score_mod, tile_plan
+from gptmini.masks import MaskMod, ScoreMod, apply_score_mod, index_grids, tile_plan
 
 __all__ = ["tiled_attention"]
 
@@ -103,12 +103,9 @@ class _Tiles:
         if bool(self.every[i, j]):
             return None
         rows, cols = self.rows(i), self.cols(j)
-        b = torch.arange(self.batch, device=self.device)[:, None, None, None]
-        h = torch.zeros(1, dtype=torch.long, device=self.device)[None, :, None, None]
-        q = torch.arange(self.first + rows.start, self.first + rows.stop,
-                         device=self.device)[None, None, :, None]
-        kv = torch.arange(cols.start, cols.stop, device=self.device)[None, None, None, :]
-        return self.mask(b, h, q, kv)
+        return self.mask(*index_grids(self.batch, 1, self.first + rows.start,
+                                      rows.stop - rows.start, cols.start,
+                                      cols.stop - cols.start, self.device))
 
 
 class _TiledAttention(torch.autograd.Function):

@@ -52,6 +52,7 @@ __all__ = [
     "dense",
     "document",
     "full",
+    "index_grids",
     "or_masks",
     "padding",
     "rows_with_keys",
@@ -160,9 +161,12 @@ def chain(*mods: ScoreMod) -> ScoreMod:
 # --------------------------------------------------------------------------- its forms
 
 
-def _grids(batch: int, num_heads: int, first_query: int, num_queries: int, first_key: int,
-           num_keys: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """b (batch,1,1,1), h (1,heads,1,1), q_idx (1,1,queries,1), kv_idx (1,1,1,keys)."""
+def index_grids(batch: int, num_heads: int, first_query: int, num_queries: int,
+                first_key: int, num_keys: int, device=None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The arguments a mask or modifier is evaluated on, broadcasting against each other:
+    b (batch,1,1,1), h (1,heads,1,1), q_idx (1,1,queries,1), kv_idx (1,1,1,keys), the
+    queries at positions first_query..., the keys at first_key..."""
     b = torch.arange(batch, device=device)[:, None, None, None]
     h = torch.arange(num_heads, device=device)[None, :, None, None]
     q = torch.arange(first_query, first_query + num_queries, device=device)[None, None, :, None]
@@ -174,7 +178,7 @@ def apply_score_mod(mod: ScoreMod, scores: Tensor, first_query: int, first_key: 
                     ) -> Tensor:
     """`mod` on a block of scaled scores (b, heads, queries, keys) whose first query sits at
     position `first_query` and first key at `first_key`."""
-    b, h, q, kv = _grids(scores.shape[0], scores.shape[1], first_query, scores.shape[2],
+    b, h, q, kv = index_grids(scores.shape[0], scores.shape[1], first_query, scores.shape[2],
                          first_key, scores.shape[3], scores.device)
     return mod(scores, b, h, q, kv)
 
@@ -186,7 +190,7 @@ def score_bias(mod: ScoreMod, batch: int, num_heads: int, num_tokens: int, num_k
         raise ValueError("only an additive score modifier is a bias; apply this one to the "
                          "scores (apply_score_mod)")
     zeros = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
-    bias = mod(zeros, *_grids(batch, num_heads, num_keys - num_tokens, num_tokens, 0,
+    bias = mod(zeros, *index_grids(batch, num_heads, num_keys - num_tokens, num_tokens, 0,
                               num_keys, device))
     return bias.expand(batch, num_heads, num_tokens, num_keys)
 
@@ -194,11 +198,8 @@ def score_bias(mod: ScoreMod, batch: int, num_heads: int, num_tokens: int, num_k
 
 def dense(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None) -> Tensor:
     """The mask as a tensor, (batch, 1, num_tokens, num_keys) (heads broadcast)."""
-    b = torch.arange(batch, device=device)[:, None, None, None]  # (batch, 1, 1, 1)
-    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]  # (1, 1, 1, 1)
-    q = torch.arange(num_keys - num_tokens, num_keys, device=device)[None, None, :, None]
-    kv = torch.arange(num_keys, device=device)[None, None, None, :]  # (1, 1, 1, num_keys)
-    return mask(b, h, q, kv).expand(batch, 1, num_tokens, num_keys)
+    grids = index_grids(batch, 1, num_keys - num_tokens, num_tokens, 0, num_keys, device)
+    return mask(*grids).expand(batch, 1, num_tokens, num_keys)
 
 
 def block_mask(mask: MaskMod, batch: int | None, num_tokens: int, num_keys: int, device=None,
