@@ -43,7 +43,8 @@ class KVPool:
     def views(self, read: Tensor, write: Tensor) -> list["PagedView"]:
         """One view per layer for a step that writes slots `write` (b, num_new) and then
         attends over slots `read` (b, num_keys)."""
-        return [PagedView(self.keys[i], self.values[i], self.positions, read, write)
+        return [PagedView(self.keys[i], self.values[i], self.positions, read, write,
+                          writes_positions=i == 0)  # every layer's are the same: once a step
                 for i in range(self.keys.shape[0])]
 
 
@@ -51,9 +52,10 @@ class PagedView(BaseKVCache):
     """One layer of the pool as one step's KV cache (see `gptmini.attention.BaseKVCache`)."""
 
     def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, read: Tensor,
-                 write: Tensor):
+                 write: Tensor, writes_positions: bool = True):
         self.keys, self.values, self.read, self.write = keys, values, read, write
         self._slot_positions = positions  # (num_slots,), shared by every layer's view
+        self._writes_positions = writes_positions
 
     def __len__(self) -> int:
         """Tokens before the new ones (what the model's length check counts)."""
@@ -69,7 +71,7 @@ class PagedView(BaseKVCache):
         # (b, kv_heads, num_new, head_dim) -> (b, num_new, kv_heads, head_dim) into slots
         self.keys[self.write] = keys.transpose(1, 2).to(self.keys.dtype)
         self.values[self.write] = values.transpose(1, 2).to(self.values.dtype)
-        if positions is not None:
+        if positions is not None and self._writes_positions:
             self._slot_positions[self.write] = positions
         # (b, num_keys, kv_heads, head_dim) gathered -> (b, kv_heads, num_keys, head_dim)
         return self.keys[self.read].transpose(1, 2), self.values[self.read].transpose(1, 2)
