@@ -115,14 +115,14 @@ def test_both_caches_are_one_interface_and_hold_their_tokens_positions(tiny_conf
 
     pool = KVPool(tiny_config, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
     read = torch.tensor([[0, 1, 2, 3, 4], [8, 9, 10, 11, 12]])
-    views = pool.views(read, read)
+    views = pool.views(read, read, 0)
     assert all(isinstance(v, PagedView) and isinstance(v, BaseKVCache) for v in views)
     keys = torch.randn(2, 2, 5, 8)
     positions = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])
     got_keys, _ = views[0].update(keys, keys + 1, positions)
     torch.testing.assert_close(got_keys, keys)
     assert torch.equal(views[0].positions, positions)
-    later = pool.views(torch.tensor([[2, 3, 4]]), torch.tensor([[4]]))
+    later = pool.views(torch.tensor([[2, 3, 4]]), torch.tensor([[4]]), 2)
     assert later[1].positions.tolist() == [[2, 3, 4]] and len(later[1]) == 2
 
 
