@@ -165,6 +165,12 @@ def test_bad_requests_are_refused_and_the_others_go_on(model, prompt, settings, 
     assert good.tokens == alone(model, [3, 4, 5], 6)
 
 
+@pytest.mark.parametrize("settings", [{"max_step_tokens": 0}, {"max_batch": 0}])
+def test_an_engine_that_could_not_step_is_refused(model, settings):
+    with pytest.raises(ValueError, match="max_step_tokens and max_batch must be >= 1"):
+        Engine(model, **settings)
+
+
 def test_a_request_that_can_never_fit_the_pool_is_refused(model):
     engine = Engine(model, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="more than the whole KV pool"):

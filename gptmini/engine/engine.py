@@ -60,7 +60,8 @@ class Engine:
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch
         num_blocks = num_blocks or max_batch * math.ceil(self.context / block_size)
-        max_step_tokens = max_step_tokens or max(512, self.context)
+        if max_step_tokens is None:
+            max_step_tokens = max(512, self.context)
         if max_step_tokens < 1 or max_batch < 1:
             raise ValueError(f"max_step_tokens and max_batch must be >= 1, got "
                              f"{max_step_tokens} and {max_batch}")
