@@ -6,10 +6,12 @@ outputs uniform in 8..64 tokens, greedy, ending early at <|endoftext|> as the se
 does), streamed, each request timed from send to its last event and to its first token.
 Printed: generated tokens/s, p50/p99 latency and time to first token, failed requests;
 beside them the engine offline on the same requests with the same number in flight (the
-server's overhead). On a 2-core machine the clients' process takes about one core, as a
-remote client would not.
+server's overhead). The clients' process takes about one core, as a remote client would
+not, so both the server and the offline engine get the other cores' worth of torch threads
+(`--threads`, default cores - 1): the ratio is then the server's own cost (HTTP, the event
+loop, streaming), not the core the clients took from it.
 
-    python bench/bench_server.py [--clients 16] [--requests 64]
+    python bench/bench_server.py [--clients 16] [--requests 64] [--threads N]
 """
 
 import argparse
@@ -41,10 +43,11 @@ def build(max_batch: int) -> Engine:
     return Engine(model, get_tokenizer("gpt2"), max_batch=max_batch)
 
 
-def serve(port: int, max_batch: int) -> None:
+def serve(port: int, max_batch: int, threads: int) -> None:
     """The server process: the same engine behind uvicorn on a loopback port."""
     import uvicorn
 
+    torch.set_num_threads(threads)
     from gptmini.server import create_app
 
     uvicorn.run(create_app(build(max_batch), "bench"), host="127.0.0.1", port=port,
@@ -66,9 +69,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="torch threads of the server and of the offline engine alike")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores; torch {torch.__version__}; "
-          f"{args.clients} clients, {args.requests} requests; OMP_WAIT_POLICY="
+          f"{args.clients} clients, {args.requests} requests; torch threads {args.threads} (server "
+          f"and offline); OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}\n")
     eot = get_tokenizer("gpt2").eot_token
     cfg, prompts, outputs = SHAPES["small"]
@@ -85,7 +92,8 @@ def main():
     del offline, requests
 
     port = free_port()
-    process = multiprocessing.get_context("spawn").Process(target=serve, args=(port, 64),
+    process = multiprocessing.get_context("spawn").Process(target=serve,
+                                                           args=(port, 64, args.threads),
                                                            daemon=True)
     process.start()
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
