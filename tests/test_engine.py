@@ -273,3 +273,36 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
         engine.step()
     assert long.tokens == alone(model, long_prompt, 5)
     assert decoding.tokens == alone(model, [1, 2, 3], 20)
+
+
+def test_a_step_runs_the_model_once_and_samples_once(model, monkeypatch):
+    """Prefills of several prompts and the decodes beside them: one forward pass and one
+    sampling call per step, whatever the mix."""
+    import gptmini.engine.engine as engine_module
+
+    calls = {"forward": 0, "sample": 0}
+    real_sample = engine_module.sample
+
+    def counting_sample(*args, **kwargs):
+        calls["sample"] += 1
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", counting_sample)
+    hook = model.register_forward_hook(lambda *_: calls.__setitem__("forward",
+                                                                     calls["forward"] + 1))
+    try:
+        engine = Engine(model, block_size=4)
+        engine.add_request([1, 2, 3], max_new_tokens=8)
+        engine.step()
+        for prompt in ([4, 5], [6, 7, 8, 9, 10], [11]):  # prefilled beside a decode
+            engine.add_request(prompt, max_new_tokens=4)
+        steps = 0
+        while engine.has_work:
+            before = dict(calls)
+            engine.step()
+            steps += 1
+            assert calls["forward"] - before["forward"] == 1
+            assert calls["sample"] - before["sample"] == 1
+    finally:
+        hook.remove()
+    assert steps == 7
