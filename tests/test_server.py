@@ -203,6 +203,23 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, m
         model, "ok", 3, temperature=0.0)
 
 
+def test_special_tokens_in_a_prompt_encode_as_generate_py_encodes_them(client, model):
+    """One rule (gptmini.tokenizer.encode_prompt): before, the server read every special
+    token in a prompt and generate.py only <|endoftext|>."""
+    from gptmini.generation import stream_text
+
+    done = client.completions.create(model="tiny", prompt="a<|endoftext|>b", max_tokens=8,
+                                     temperature=0)
+    assert done.usage.prompt_tokens == 3  # a, <|endoftext|>, b: not 15 characters
+    assert done.choices[0].text == "".join(stream_text(model, ENC, "a<|endoftext|>b", 8))
+    engine = Engine(model, ENC, block_size=4)
+    alone = engine.add_request([97, ENC.eot_token, 98], max_new_tokens=8,
+                               stop_ids=(ENC.eot_token,))
+    while engine.has_work:
+        engine.step()
+    assert done.choices[0].text == alone.text
+
+
 def test_unknown_routes_answer_in_openai_shape(served):
     url, _ = served
     chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
