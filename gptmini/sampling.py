@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Detokenizer", "SamplingParams", "sample", "sample_next_token"]
+__all__ = ["MAX_LOGPROBS", "Detokenizer", "SamplingParams", "TokenLogprobs", "sample",
+           "sample_next_token", "token_logprobs"]
+
+MAX_LOGPROBS = 20
+"""Most candidates per token `SamplingParams.logprobs` may ask (OpenAI's limit)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class SamplingParams:
     """Token ids that end the sequence (not included in its output)."""
     stop: tuple[str, ...] = ()
     """Strings that end the sequence (its text is cut before them; needs a tokenizer)."""
+    logprobs: int | None = None
+    """Also report, for every generated token, its log-probability and the `logprobs` most
+    likely tokens' (0 to 20; None: none), from the model's distribution at temperature 1
+    before top-k and top-p (what the model thinks, not what the filters left)."""
 
     def __post_init__(self):
         t = self.temperature
@@ -73,6 +81,12 @@ class SamplingParams:
                                 f"{s!r}; any smaller integer, e.g. seed % 2**63, seeds as well")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.stop_ids):
             raise SamplingError("stop_ids", f"stop_ids must be token ids, got {self.stop_ids!r}")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                              or not 0 <= n <= MAX_LOGPROBS):
+            raise SamplingError("logprobs", f"logprobs must be an integer in [0, "
+                                f"{MAX_LOGPROBS}], got {n!r}; it asks that many candidates "
+                                "per generated token")
         if not all(isinstance(x, str) and x for x in self.stop):
             raise SamplingError("stop", f"stop must be non-empty strings, got {self.stop!r}")
 
@@ -138,6 +152,28 @@ def sample(logits: Tensor, params: SamplingParams | Sequence[SamplingParams],
         tokens[where] = torch.multinomial(probs[where], num_samples=1,
                                           generator=generator).squeeze(-1)
     return tokens
+
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+"""A generated token's log-probability and the top candidates' (token id, log-probability)."""
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, counts: Sequence[int]
+                   ) -> list[TokenLogprobs]:
+    """Each row's drawn token's log-probability and its `counts[i]` most likely tokens',
+    under the row's logits at temperature 1 (float32), most likely first.
+
+    Args:
+        logits: (b, vocab_size) the logits the tokens were drawn from (unfiltered).
+        tokens: (b,) the drawn tokens.
+        counts: candidates wanted per row (0 to vocab_size).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, tokens[:, None].long())[:, 0].tolist()
+    top = torch.topk(logp, max(counts, default=0), dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return [(chosen[i], list(zip(ids[i][:n], values[i][:n], strict=True)))
+            for i, n in enumerate(counts)]
 
 
 def _groups(keys, among: Sequence[int] | None = None) -> list[tuple[object, list[int]]]:

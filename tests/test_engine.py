@@ -218,3 +218,26 @@ def test_with_a_sliding_window_a_request_keeps_only_the_blocks_its_window_sees()
         assert request.tokens == alone(windowed, prompt, max_new)
     assert max(held) <= 8 // 4 + 1
     assert engine.blocks.in_use() == 0
+
+
+def test_logprobs_are_the_models_distribution_at_each_generated_token(model):
+    """Each generated token's log-probability and its top candidates, as a full forward
+    pass over prompt + tokens so far gives them (temperature 1, before top-k), whatever the
+    request sampled with; requests that ask none get none."""
+    engine = Engine(model, block_size=4)
+    asking = engine.add_request([5, 6, 7], max_new_tokens=6, temperature=0.9, top_k=3,
+                                seed=1, logprobs=4)
+    quiet = engine.add_request([9, 9], max_new_tokens=4)
+    while engine.has_work:
+        engine.step()
+    assert quiet.logprobs == [] and len(asking.logprobs) == len(asking.tokens) == 6
+    ids = torch.tensor([asking.all_tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0].float(), dim=-1)  # (n, vocab)
+    for i, (token, (chosen, top)) in enumerate(zip(asking.tokens, asking.logprobs,
+                                                      strict=True)):
+        row = logp[len(asking.prompt) - 1 + i]
+        assert chosen == pytest.approx(row[token].item(), abs=1e-5)
+        want = row.topk(4)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-5)

@@ -66,6 +66,8 @@ def test_greedy_rows_draw_no_random_numbers_and_the_logits_are_left_alone():
     ({"seed": 2**70}, "seed", r"integer in \[-2\*\*63, 2\*\*64\).*seed % 2\*\*63"),
     ({"seed": "7"}, "seed", "integer"),
     ({"stop": ("",)}, "stop", "non-empty strings"),
+    ({"logprobs": 21}, "logprobs", r"integer in \[0, 20\]"),
+    ({"logprobs": True}, "logprobs", "integer"),
 ])
 def test_bad_settings_are_refused_naming_their_field(fields, field, match):
     with pytest.raises(SamplingError, match=match) as err:

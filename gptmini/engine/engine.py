@@ -42,7 +42,7 @@ from gptmini.context import AttentionContext
 from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.paged import KVPool
 from gptmini.engine.request import Request
-from gptmini.sampling import Detokenizer, SamplingParams, sample
+from gptmini.sampling import Detokenizer, SamplingParams, sample, token_logprobs
 
 
 class Engine:
@@ -172,10 +172,11 @@ class Engine:
             rows += decoding
             logits.append(self._decode(decoding))  # (b, vocab_size)
         if rows:  # one call samples the step, each row with its settings and generator
-            tokens = sample(torch.cat(logits), [r.params for r in rows],
-                            [r.generator for r in rows])
-            for request, token in zip(rows, tokens.tolist(), strict=True):
-                self._accept(request, token)
+            logits = torch.cat(logits)
+            tokens = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+            found = self._logprobs(rows, logits, tokens)
+            for i, (request, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+                self._accept(request, token, found.get(i))
 
     def _admit(self) -> list[Request]:
         admitted = []
@@ -308,11 +309,23 @@ class Engine:
 
     # --- tokens out -----------------------------------------------------------------
 
-    def _accept(self, request: Request, token: int) -> None:
+    @staticmethod
+    def _logprobs(rows: list[Request], logits: Tensor, tokens: Tensor) -> dict:
+        """{row: TokenLogprobs} for the rows whose requests asked for logprobs."""
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not asking:
+            return {}
+        found = token_logprobs(logits[asking], tokens[asking],
+                               [rows[i].params.logprobs for i in asking])
+        return dict(zip(asking, found, strict=True))
+
+    def _accept(self, request: Request, token: int, logprobs=None) -> None:
         p = request.params
         if token in p.stop_ids:
             self._finish(request, "stop")
             return
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
         request.tokens.append(token)
         reason = "length" if len(request.tokens) >= p.max_new_tokens else None
         if request.detokenizer is not None and request.detokenizer.add(token):

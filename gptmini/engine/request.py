@@ -20,6 +20,8 @@ class Request:
     """Generated ids (stop ids excluded)."""
     finish_reason: str | None = None
     """None while running; then "length", "stop", "cancelled" (or `Engine.abort`'s)."""
+    logprobs: list = field(default_factory=list)
+    """With `params.logprobs` set: one `sampling.TokenLogprobs` per token of `tokens`."""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     table: list[int] = field(default_factory=list)
