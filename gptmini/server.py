@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from gptmini.api import APIError, choice_seed, parse
+from gptmini.api import APIError, LogprobsWriter, choice_seed, parse
 from gptmini.engine import Engine, Request
 from gptmini.sampling import SamplingParams
 from gptmini.tokenizer import encode_prompt
@@ -105,8 +105,14 @@ class Job:
     """One /v1/completions call: its engine requests, choice by choice."""
 
     requests: list[Request]
+    prompts: list[list[int]]
+    """Each choice's prompt ids."""
     prompt_tokens: int
     stops: tuple[str, ...]
+    writers: list[LogprobsWriter] | None = None
+    """Each choice's logprobs, when asked."""
+    token_ids: bool = False
+    """Each choice carries its token ids (vLLM's `return_token_ids`)."""
     streaming: bool = False  # its stream is being sent
     closed: bool = False  # answered, cancelled or timed out
 
@@ -217,7 +223,7 @@ def sampling_params(settings: dict, seed: int | None, stop_ids: tuple[int, ...]
         return SamplingParams(
             max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
             top_k=settings["top_k"], top_p=settings["top_p"], seed=seed, stop_ids=stop_ids,
-            stop=settings["stop"])
+            stop=settings["stop"], logprobs=settings["logprobs"])
     except ValueError as err:  # SamplingError names the field it checked
         name = getattr(err, "field", None)
         raise APIError(400, str(err), API_NAMES.get(name, name)) from None
@@ -257,7 +263,13 @@ def submit(state: ServerState, prompts: list, settings: dict) -> Job:
         for r in requests:
             engine.cancel(r)
         raise APIError(400, str(err), "prompt") from None
-    return Job(requests, sum(len(ids) for ids in encoded), settings["stop"])
+    prompt_ids = [ids for ids, _ in choices]
+    writers = None
+    if settings["logprobs"] is not None:
+        writers = [LogprobsWriter(enc, len(p) if isinstance(p, str) else len(enc.decode(p)))
+                   for p in prompts for _ in range(settings["n"])]
+    return Job(requests, prompt_ids, sum(len(ids) for ids in encoded), settings["stop"],
+               writers, settings["return_token_ids"])
 
 
 async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
@@ -295,11 +307,32 @@ def respond(state: ServerState, job: Job) -> dict:
     job.closed = True
     if any(r.finish_reason == "error" for r in job.requests):
         raise APIError(500, f"the engine failed: {state.loop.error}", kind="server_error")
-    choices = [{"index": i, "text": r.text, "logprobs": None,
+    choices = [{"index": i, "text": r.text, **tokens_of(job, i, 0, len(r.tokens)),
                 "finish_reason": finish_reason(r)} for i, r in enumerate(job.requests)]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": state.model_name, "choices": choices,
             "usage": usage(job)}
+
+
+def tokens_of(job: Job, i: int, start: int, end: int) -> dict:
+    """Choice i's `logprobs` of its tokens start..end (None unless asked), and with
+    return_token_ids their ids (and the prompt's, with the first tokens)."""
+    r = job.requests[i]
+    out = {"logprobs": None if job.writers is None else job.writers[i].add(
+        r.tokens[start:end], r.logprobs[start:end])}
+    if job.token_ids:
+        out["token_ids"] = r.tokens[start:end]
+        if start == 0:
+            out["prompt_token_ids"] = job.prompts[i]
+    return out
+
+
+def ready_tokens(job: Job, r: Request) -> int:
+    """Tokens of `r` a stream may send now: those whose every field is there (the engine
+    thread appends them); none before the text when no token field was asked."""
+    if job.writers is None:
+        return len(r.tokens) if job.token_ids else 0
+    return min(len(r.tokens), len(r.logprobs))
 
 
 def event(payload: dict) -> str:
@@ -308,12 +341,14 @@ def event(payload: dict) -> str:
 
 async def stream(state: ServerState, job: Job, settings: dict):
     ident, sent = f"cmpl-{uuid.uuid4().hex}", [0] * len(job.requests)
-    reported = [False] * len(job.requests)
+    reported, tokens_sent = [False] * len(job.requests), [0] * len(job.requests)
 
-    def chunk(i: int, text: str, reason: str | None) -> str:
+    def chunk(i: int, text: str, reason: str | None, end: int) -> str:
+        start, tokens_sent[i] = tokens_sent[i], end
         return event({"id": ident, "object": "text_completion", "created": int(time.time()),
                       "model": state.model_name, "choices": [{
-                          "index": i, "text": text, "logprobs": None, "finish_reason": reason}]})
+                          "index": i, "text": text, **tokens_of(job, i, start, end),
+                          "finish_reason": reason}]})
     job.streaming = True
     try:
         deadline = time.monotonic() + state.timeout
@@ -321,17 +356,17 @@ async def stream(state: ServerState, job: Job, settings: dict):
             for i, r in enumerate(job.requests):
                 if reported[i]:
                     continue
-                done, text = r.done, r.text
+                done, text, count = r.done, r.text, ready_tokens(job, r)
                 ready = len(text) - held_back(text, job.stops, done)
-                if ready > sent[i]:
-                    yield chunk(i, text[sent[i]:ready], None)
+                if ready > sent[i] or count > tokens_sent[i]:
+                    yield chunk(i, text[sent[i]:ready], None, count)
                     sent[i] = ready
                 if done and r.finish_reason == "error":
                     yield event(APIError(500, f"the engine failed: {state.loop.error}",
                                          kind="server_error").body())
                     return
                 if done:
-                    yield chunk(i, "", finish_reason(r))
+                    yield chunk(i, "", finish_reason(r), max(ready_tokens(job, r), count))
                     reported[i] = True
             if time.monotonic() > deadline:  # (a disconnect cancels this generator)
                 yield event(APIError(504, f"the request took longer than {state.timeout:g} s",

@@ -155,8 +155,10 @@ def test_fifty_concurrent_requests_all_complete_each_as_alone(client, model):
 
 @pytest.mark.parametrize(("body", "status", "message", "param"), [
     ("{not json", 400, "not valid JSON", None),
-    ({"model": "tiny", "prompt": "a", "logprobs": 5}, 400, "logprobs=5 is not supported",
-     "logprobs"),
+    ({"model": "tiny", "prompt": "a", "logprobs": 21}, 400,
+     "logprobs must be an integer in 0..20", "logprobs"),
+    ({"model": "tiny", "prompt": "a", "return_token_ids": 1}, 400, "must be true or false",
+     "return_token_ids"),
     ({"model": "tiny", "prompt": "a", "frequency_penalty": 0.5}, 400, "not supported",
      "frequency_penalty"),
     ({"model": "tiny", "prompt": "a", "tools": []}, 400, "unsupported field 'tools'", "tools"),
