@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +35,9 @@ from starlette.requests import ClientDisconnect
 
 from gptmini.api import APIError, LogprobsWriter, choice_seed, parse
 from gptmini.engine import Engine, Request
+from gptmini.engine_loop import EngineLoop, Ticker
+from gptmini.page import PageState, checkpoint_panel
+from gptmini.page import router as page_router
 from gptmini.sampling import SamplingParams
 from gptmini.tokenizer import encode_prompt
 
@@ -44,60 +46,6 @@ __all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app",
 
 API_NAMES = {"max_new_tokens": "max_tokens"}
 """SamplingParams fields whose request field has another name (`SamplingError.field`)."""
-
-
-class EngineLoop:
-    """Steps the engine on one background thread while it has work, and tells the event
-    loop after each step (`on_step`), so handlers wake when their tokens are there."""
-
-    def __init__(self, engine: Engine):
-        self.engine, self._wake, self._stop = engine, threading.Event(), False
-        self.error: BaseException | None = None
-        self.on_step = lambda: None
-        self._thread = threading.Thread(target=self._run, name="gptmini-engine", daemon=True)
-        self._thread.start()
-
-    def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        request = self.engine.add_request(prompt, params)
-        self.wake()
-        return request
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop:
-            if not self.engine.has_work:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                self.engine.step()
-            except BaseException as err:  # keep serving: fail the requests in flight
-                self.error = err
-                self.engine.abort("error")
-            self.on_step()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=5)
-
-
-class Ticker:
-    """An asyncio event set at every engine step: handlers await the next one."""
-
-    def __init__(self):
-        self._event = asyncio.Event()
-
-    def tick(self) -> None:  # on the event loop, through call_soon_threadsafe
-        event, self._event = self._event, asyncio.Event()
-        event.set()
-
-    async def next(self, seconds: float) -> None:
-        """Return at the next step, or after `seconds` at most."""
-        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-            await asyncio.wait_for(self._event.wait(), seconds)
 
 
 @dataclass(eq=False)
@@ -413,10 +361,16 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,
-               max_pending: int = 1024, timeout: float = 600.0) -> FastAPI:
-    """The FastAPI application serving `engine` (which needs its tokenizer)."""
+               max_pending: int = 1024, timeout: float = 600.0,
+               checkpoint: dict | None = None, attention_tokens: int = 512) -> FastAPI:
+    """The FastAPI application serving `engine` (which needs its tokenizer), with the page
+    at / (gptmini.page): `checkpoint` is its panel (`checkpoint_panel`; default: the
+    model's settings alone), `attention_tokens` the longest text /gptmini/attention takes."""
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
+    if isinstance(attention_tokens, bool) or not isinstance(attention_tokens, int) or (
+            attention_tokens < 1):
+        raise ValueError(f"attention_tokens must be an integer >= 1, got {attention_tokens!r}")
     app = FastAPI(title="gptmini", lifespan=lifespan)
     app.state.server = ServerState(engine, model_name, api_key, max_pending, timeout,
                                    EngineLoop(engine))
@@ -424,5 +378,8 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, invalid)
+    app.state.page = PageState(checkpoint or checkpoint_panel(engine.model, engine.tokenizer),
+                               attention_tokens)
     app.include_router(router)
+    app.include_router(page_router)
     return app
