@@ -40,7 +40,7 @@ async function call(path, body) {
 }
 
 function apiError(status, data) {
-  if (status === 401) $("key-box").hidden = false;
+  if (status === 401) $("key-form").hidden = false;
   const text = (data && data.error && data.error.message) || `HTTP ${status}`;
   const err = new Error(status === 401 ? `${text} (type the key above)` : text);
   err.status = status;
@@ -112,8 +112,8 @@ function renderTokens() {
   }
 }
 
-function chipText(name) {
-  return name.replace(/\n/g, "\u21b5\n").replace(/\t/g, "\u2192");
+function chipText(name) {  // "bytes:\xe2" (part of a character) shows as \xe2
+  return name.replace(/^bytes:/, "").replace(/\n/g, "\u21b5\n").replace(/\t/g, "\u2192");
 }
 
 // The prompt's chips take their names from the attention answer (the stream names only
@@ -274,7 +274,7 @@ async function refreshAttention() {
       document.body.dataset.attentionTokens = decoded.num_tokens;
     } while (view.stale);
   } catch (err) {
-    message(`attention: ${err.message}`);
+    if (!$("message").textContent) message(`attention: ${err.message}`);  // the stream's says more
   } finally {
     view.fetching = false;
   }
