@@ -4,8 +4,8 @@ model's next-token candidates at every position; and their compact form for the 
 
 Weights travel as base64 of the lower triangle only (a causal model's keys after a query
 are always masked), row after row, in float16 by default: for 256 tokens and the default
-model (4 layers x 4 heads) that is 0.7 MB of JSON against 7.6 MB as JSON lists of numbers
-(bench/bench_inspection.py measures both).
+run's shape (4 layers x 4 heads) that is 1.4 MB against 11.6 MB as JSON lists of numbers,
+which alone took 1.4 s to arrive and parse (bench/bench_inspection.py measures both).
 """
 
 import base64

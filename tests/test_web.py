@@ -138,6 +138,13 @@ def test_bad_inputs_show_a_message(served, page):
     page.wait_for_selector("body[data-state=error]")
     assert "context_length is 48" in page.inner_text("#message")
     assert page.is_visible("#message")
+    page.click("#inspect")  # the same prompt, attention alone: the endpoint's limit is 40
+    page.wait_for_function("document.querySelector('#message').textContent.includes('40')")
+    page.fill("#prompt", "To be, or not")
+    page.click("#inspect")
+    page.wait_for_selector("body[data-attention-tokens='13']")
+    assert page.locator("#tokens .chip").count() == 13 and page.is_hidden("#message")
+    assert page.locator("#candidates tr.candidate").count() == 10  # after the last token
 
 
 @pytest.fixture(scope="module")

@@ -259,24 +259,53 @@ async function refreshAttention() {
   try {
     do {
       view.stale = false;
-      const ids = view.ids.slice(), started = performance.now();
-      const data = await call("/gptmini/attention", { prompt: ids, top_logprobs: 10 });
-      const arrived = performance.now();
-      const decoded = decodeAttention(data);
-      view.attention = decoded;
-      relabel(decoded);
-      view.version = String(arrived);
-      fillPickers(decoded.n_layers, decoded.n_heads);
-      drawSelection();
-      const drawn = performance.now();
-      view.timings = { tokens: decoded.num_tokens, fetchMs: arrived - started,
-                       drawMs: drawn - arrived, totalMs: drawn - started };
-      document.body.dataset.attentionTokens = decoded.num_tokens;
+      const started = performance.now();
+      const data = await call("/gptmini/attention", { prompt: view.ids.slice(), top_logprobs: 10 });
+      show(data, started);
     } while (view.stale);
   } catch (err) {
     if (!$("message").textContent) message(`attention: ${err.message}`);  // the stream's says more
   } finally {
     view.fetching = false;
+  }
+}
+
+// Decode and draw an attention answer; the timings say where the time went.
+function show(data, started) {
+  const arrived = performance.now();
+  const decoded = decodeAttention(data);
+  view.attention = decoded;
+  view.version = String(arrived);
+  relabel(decoded);
+  fillPickers(decoded.n_layers, decoded.n_heads);
+  const decodedAt = performance.now();
+  drawSelection();
+  const drawn = performance.now();
+  view.timings = { tokens: decoded.num_tokens, fetchMs: arrived - started,
+                   decodeMs: decodedAt - arrived, drawMs: drawn - decodedAt,
+                   totalMs: drawn - started };
+  document.body.dataset.attentionTokens = decoded.num_tokens;
+}
+
+// The prompt alone, without generating: its tokens, attention and candidates.
+async function inspectPrompt() {
+  message("");
+  const prompt = $("prompt").value;
+  if (!prompt.trim()) { message(EMPTY); return; }
+  delete document.body.dataset.attentionTokens;
+  try {
+    const started = performance.now();
+    const data = await call("/gptmini/attention", { prompt, top_logprobs: 10 });
+    Object.assign(view, { ids: data.token_ids.slice(), names: data.tokens.slice(),
+                          promptLength: data.num_tokens, streamed: [], pinned: -1,
+                          selected: data.num_tokens - 1 });
+    $("tokens").replaceChildren();
+    renderTokens();
+    show(data, started);
+    setState("done");
+  } catch (err) {
+    message(err.message);
+    setState("error");
   }
 }
 
@@ -295,6 +324,8 @@ function fillPickers(layers, heads) {
 
 // --- generating --------------------------------------------------------------------------
 
+const EMPTY = "The prompt is empty: type some text to continue (or <|endoftext|> to start from nothing).";
+
 function settings() {
   const number = (id) => ($(id).value.trim() === "" ? null : Number($(id).value));
   const body = { prompt: $("prompt").value, max_tokens: number("max_tokens"),
@@ -310,7 +341,7 @@ async function generate(event) {
   message("");
   const body = settings();
   if (!body.prompt.trim()) {
-    message("The prompt is empty: type some text to continue (or <|endoftext|> to start from nothing).");
+    message(EMPTY);
     return;
   }
   view.controller = new AbortController();
@@ -491,6 +522,7 @@ async function loadPanels() {
 }
 
 $("form").addEventListener("submit", generate);
+$("inspect").addEventListener("click", inspectPrompt);
 $("stop").addEventListener("click", () => view.controller && view.controller.abort());
 $("layer").addEventListener("change", () => { view.layer = Number($("layer").value); drawSelection(); });
 $("head").addEventListener("change", () => {
