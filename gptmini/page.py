@@ -26,9 +26,11 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from gptmini.api import APIError, json_type
+from gptmini.checkpoint import training_steps
 from gptmini.flops import num_parameters
 from gptmini.heads import head_roles
 from gptmini.inspection import ENCODINGS, inspect_text, pack
+from gptmini.plots import load_metrics
 from gptmini.sampling import MAX_LOGPROBS
 from gptmini.tokenizer import encode_prompt
 
@@ -52,9 +54,6 @@ class PageState:
 def checkpoint_panel(model, tokenizer, path: str | Path | None = None,
                      hparams: dict | None = None) -> dict:
     """What the page's checkpoint panel shows (GET /gptmini/checkpoint)."""
-    from gptmini.checkpoint import training_steps
-    from gptmini.plots import load_metrics
-
     hparams = hparams or {}
     panel = {"path": None if path is None else str(path),
              "settings": model.cfg.to_dict(), "parameters": num_parameters(model),

@@ -314,7 +314,7 @@ async def stream(state: ServerState, job: Job, settings: dict):
                                          kind="server_error").body())
                     return
                 if done:
-                    yield chunk(i, "", finish_reason(r), max(ready_tokens(job, r), count))
+                    yield chunk(i, "", finish_reason(r), ready_tokens(job, r))
                     reported[i] = True
             if time.monotonic() > deadline:  # (a disconnect cancels this generator)
                 yield event(APIError(504, f"the request took longer than {state.timeout:g} s",
