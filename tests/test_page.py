@@ -176,8 +176,8 @@ def test_the_data_endpoints_need_the_key_and_the_page_does_not(served):
         assert httpx.get(f"{url}{path}").status_code == 401
     assert httpx.post(f"{url}/gptmini/attention", json={"prompt": "a"}).status_code == 401
     page = httpx.get(f"{url}/")
-    assert page.status_code == 200 and '<script src="/web/app.js">' in page.text
-    for name in ("app.js", "style.css"):
+    assert page.status_code == 200 and 'src="/web/app.js"' in page.text
+    for name in ("app.js", "weights.js", "panels.js", "style.css"):
         assert httpx.get(f"{url}/web/{name}").status_code == 200
     missing = httpx.get(f"{url}/web/../server.py")
     assert missing.status_code == 404

@@ -2,7 +2,8 @@
 // and draws what a token attends to (/gptmini/attention), the model's next-token
 // candidates, every head of a layer, the checkpoint and the heads' roles. Plain JavaScript,
 // no build step, nothing fetched from elsewhere.
-"use strict";
+import { allowed, decodeAttention, headImage, weight } from "./weights.js";
+import { showCheckpoint, showRoles } from "./panels.js";
 
 const $ = (id) => document.getElementById(id);
 const view = {
@@ -45,55 +46,6 @@ function apiError(status, data) {
   const err = new Error(status === 401 ? `${text} (type the key above)` : text);
   err.status = status;
   return err;
-}
-
-// --- float16 and bits, as /gptmini/attention packs them ---------------------------------
-
-function halfToFloat(bits) {
-  const sign = bits & 0x8000 ? -1 : 1, exponent = (bits >> 10) & 0x1f, fraction = bits & 0x3ff;
-  if (exponent === 0) return sign * fraction * 2 ** -24;
-  if (exponent === 31) return fraction ? NaN : sign * Infinity;
-  return sign * (1 + fraction / 1024) * 2 ** (exponent - 15);
-}
-const HALF = new Float32Array(65536).map((_, i) => halfToFloat(i));
-
-function base64Bytes(text) {
-  const raw = atob(text), bytes = new Uint8Array(raw.length);
-  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
-  return bytes;
-}
-
-function decodeAttention(data) {
-  const w = data.weights, cells = (data.num_tokens * (data.num_tokens + 1)) / 2;
-  let values;
-  if (w.encoding === "json") {
-    values = Float32Array.from(w.data.flat(2));
-  } else {
-    const bytes = base64Bytes(w.data);
-    if (w.encoding === "uint8") {
-      values = Float32Array.from(bytes, (b) => b / 255);
-    } else {
-      const halves = new Uint16Array(bytes.buffer, bytes.byteOffset, bytes.length / 2);
-      values = new Float32Array(halves.length);
-      for (let i = 0; i < halves.length; i++) values[i] = HALF[halves[i]];
-    }
-  }
-  return { ...data, cells, values, maskBits: base64Bytes(data.mask) };
-}
-
-// Weight of query i on key j (j <= i) in layer l, head h ("avg": the mean over heads).
-function weight(a, l, h, i, j) {
-  const at = (head) => a.values[(l * a.n_heads + head) * a.cells + (i * (i + 1)) / 2 + j];
-  if (h !== "avg") return at(h);
-  let sum = 0;
-  for (let head = 0; head < a.n_heads; head++) sum += at(head);
-  return sum / a.n_heads;
-}
-
-function allowed(a, i, j) {
-  if (j > i) return false;
-  const k = (i * (i + 1)) / 2 + j;
-  return ((a.maskBits[k >> 3] >> (7 - (k & 7))) & 1) === 1;
 }
 
 // --- tokens ------------------------------------------------------------------------------
@@ -231,19 +183,7 @@ function headCanvas(a, h) {
   const canvas = document.createElement("canvas");
   canvas.width = n;
   canvas.height = n;
-  const image = new ImageData(n, n);
-  for (let i = 0; i < n; i++) {
-    for (let j = 0; j < n; j++) {
-      const p = 4 * (i * n + j);
-      if (!allowed(a, i, j)) {
-        image.data.set([225, 225, 225, 255], p);
-      } else {
-        const w = Math.sqrt(weight(a, view.layer, h, i, j));
-        image.data.set([255 - 25 * w, 255 - 145 * w, 255 - 255 * w, 255], p);
-      }
-    }
-  }
-  cell.image = image;
+  cell.image = headImage(a, view.layer, h);
   const label = document.createElement("div");
   label.textContent = `L${view.layer} H${h}`;
   cell.append(canvas, label);
@@ -414,88 +354,7 @@ function addChunk(choice) {
   if (ids.length || choice.prompt_token_ids) refreshAttention();
 }
 
-// --- checkpoint and head roles -----------------------------------------------------------
-
-function showCheckpoint(info) {
-  $("model-name").textContent = info.model ? `: ${info.model}` : "";
-  const s = info.settings, rows = [
-    ["parameters", `${info.parameters.toLocaleString()} (${info.non_embedding_parameters.toLocaleString()} without embeddings)`],
-    ["layers x heads", `${s.n_layers} x ${s.n_heads}, emb ${s.emb_dim}, context ${s.context_length}`],
-    ["attention", `${s.position} positions${s.window_size ? `, window ${s.window_size}` : ""}, ${s.norm}, ${s.mlp}`],
-    ["tokenizer", `${info.tokenizer.name} (${info.tokenizer.n_vocab.toLocaleString()} ids)`],
-    ["training steps", info.steps === null ? "unknown" : info.steps.toLocaleString()],
-    ["val bits per byte", info.val_bpb === null ? "not logged" : info.val_bpb.toFixed(3)],
-    ["val loss", info.val_loss === null ? "not logged" : info.val_loss.toFixed(3)],
-    ["checkpoint", info.path || "(given in Python)"],
-  ];
-  const table = document.createElement("table");
-  for (const [name, value] of rows) {
-    const tr = table.insertRow();
-    tr.insertCell().textContent = name;
-    tr.insertCell().textContent = value;
-  }
-  const settings = document.createElement("details");
-  settings.innerHTML = "<summary>all settings</summary>";
-  const pre = document.createElement("pre");
-  pre.textContent = JSON.stringify(s, null, 1);
-  settings.appendChild(pre);
-  $("checkpoint").replaceChildren(table, settings);
-  drawCurves(info.curves || {});
-}
-
-function drawCurves(curves) {
-  const svg = $("curves"), names = Object.keys(curves).filter((n) => n.endsWith("loss"));
-  svg.replaceChildren();
-  const note = (text) => {
-    const t = document.createElementNS(svg.namespaceURI, "text");
-    Object.entries({ x: 10, y: 80, "font-size": 11 }).forEach(([k, v]) => t.setAttribute(k, v));
-    t.textContent = text;
-    svg.appendChild(t);
-  };
-  if (!names.length) { note("no loss curves: the run directory is not beside the checkpoint"); return; }
-  const all = names.flatMap((n) => curves[n].values), steps = names.flatMap((n) => curves[n].steps);
-  const [lo, hi] = [Math.min(...all), Math.max(...all)], last = Math.max(...steps, 1);
-  const colors = { "train/loss": "#69c", "val/loss": "#e60" };
-  names.forEach((name, k) => {
-    const c = curves[name];
-    const points = c.steps.map((s, i) => `${10 + (300 * s) / last},${150 - (130 * (c.values[i] - lo)) / (hi - lo || 1)}`);
-    const line = document.createElementNS(svg.namespaceURI, "polyline");
-    line.setAttribute("points", points.join(" "));
-    line.setAttribute("fill", "none");
-    line.setAttribute("stroke", colors[name] || "#333");
-    line.setAttribute("class", "curve");
-    svg.appendChild(line);
-    const t = document.createElementNS(svg.namespaceURI, "text");
-    Object.entries({ x: 200, y: 14 + 13 * k, "font-size": 11, fill: colors[name] || "#333" })
-      .forEach(([key, v]) => t.setAttribute(key, v));
-    t.textContent = `${name} ${c.values[c.values.length - 1].toFixed(3)}`;
-    svg.appendChild(t);
-  });
-}
-
-function showRoles(roles) {
-  const table = document.createElement("table"), heads = roles.previous_token[0].length;
-  const top = table.insertRow();
-  top.insertCell().textContent = "";
-  for (let h = 0; h < heads; h++) top.insertCell().textContent = `H${h}`;
-  roles.previous_token.forEach((row, l) => {
-    const tr = table.insertRow();
-    tr.insertCell().textContent = `L${l}`;
-    row.forEach((p, h) => {
-      const i = roles.induction[l][h], s = roles.sink[l][h];
-      const td = tr.insertCell();
-      td.className = "role";
-      td.dataset.layer = l;
-      td.dataset.head = h;
-      td.textContent = `P ${p.toFixed(2)}\nI ${i.toFixed(2)}\nS ${s.toFixed(2)}`;
-      td.style.whiteSpace = "pre";
-      const [r, g, b] = [s, p, i].map((x) => Math.round(255 - 120 * Math.min(1, x)));
-      td.style.background = `rgb(${g}, ${b}, ${r})`;
-      td.addEventListener("click", () => openHead(l, h));
-    });
-  });
-  $("roles").replaceChildren(table);
-}
+// --- the head roles open a head ----------------------------------------------------------
 
 function openHead(l, h) {
   view.layer = l;
@@ -513,7 +372,7 @@ async function loadPanels() {
     const info = await call("/gptmini/checkpoint");
     showCheckpoint(info);
     fillPickers(info.settings.n_layers, info.settings.n_heads);
-    showRoles(await call("/gptmini/heads"));
+    showRoles(await call("/gptmini/heads"), openHead);
     setState("idle");
   } catch (err) {
     message(err.message);
