@@ -6,7 +6,11 @@ All the logic is in `gptmini.cli.serve_main` and `gptmini.server`; `python serve
 lists the options. Needs the serve extra: pip install -e '.[serve]'.
 """
 
-from gptmini.cli import serve_main as main
+from gptmini.threads import sleep_when_idle
+
+sleep_when_idle()  # before torch loads OpenMP: the event loop and the clients keep a core
+
+from gptmini.cli import serve_main as main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -21,14 +21,18 @@ import socket
 import statistics
 import time
 
-import httpx
-import torch
-from bench_serving import SHAPES, workload
-from machine import cpu_description
+from gptmini.threads import sleep_when_idle
 
-from gptmini.engine import Engine
-from gptmini.model import GPTModel
-from gptmini.tokenizer import get_tokenizer
+sleep_when_idle()  # as serve.py does, before torch loads OpenMP (the server process too)
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from bench_serving import SHAPES, workload  # noqa: E402
+from machine import cpu_description  # noqa: E402
+
+from gptmini.engine import Engine  # noqa: E402
+from gptmini.model import GPTModel  # noqa: E402
+from gptmini.tokenizer import get_tokenizer  # noqa: E402
 
 
 def build(max_batch: int) -> Engine:
@@ -64,7 +68,8 @@ def main():
     parser.add_argument("--requests", type=int, default=64)
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores; torch {torch.__version__}; "
-          f"{args.clients} clients, {args.requests} requests\n")
+          f"{args.clients} clients, {args.requests} requests; OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', 'default')}\n")
     eot = get_tokenizer("gpt2").eot_token
     cfg, prompts, outputs = SHAPES["small"]
     work = workload(cfg, prompts, outputs, args.requests)

@@ -11,6 +11,11 @@ prompt's blocks cached or not. KV memory: the engine's allocated blocks against 
 they hold, sampled at every step; a static batch allocates rows x (longest prompt + longest
 output).
 
+A long prompt among decodes (the small shape with a context of 1024): 16 requests decode;
+then a 512-token prompt arrives. Its time to first token, and the longest step the 16 wait
+for a token meanwhile, against a decode step's time, for a step budget that prefills it at
+once (528 tokens) and ones that chunk it.
+
     python bench/bench_serving.py [--shapes small 124m] [--requests 64] [--max_batch 64]
 """
 
@@ -91,12 +96,46 @@ def engine_run(model, requests, max_batch, block_size) -> dict:
             "preemptions": engine.num_preemptions, **ttft}
 
 
+def long_prompt_among_decodes(budgets=(528, 256, 128)) -> None:
+    cfg = GPTConfig.from_preset("cpu-small", drop_rate=0.0, context_length=1024)
+    model, rng = GPTModel(cfg).eval(), random.Random(1)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(512)]
+    print("a 512-token prompt arriving while 16 requests decode (small shape, context 1024):")
+    for budget in budgets:
+        engine = Engine(model, max_batch=32, max_step_tokens=budget)
+        decoding = [engine.add_request([rng.randrange(cfg.vocab_size) for _ in range(64)],
+                                       max_new_tokens=300) for _ in range(16)]
+        for _ in range(5):  # all prefilled and decoding
+            engine.step()
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        request, longest, t0 = engine.add_request(prompt, max_new_tokens=1), 0.0, None
+        t0 = time.perf_counter()
+        while not request.done:
+            t1 = time.perf_counter()
+            engine.step()
+            longest = max(longest, time.perf_counter() - t1)
+        ttft = time.perf_counter() - t0
+        assert all(len(r.tokens) > 5 for r in decoding)
+        print(f"  budget {budget:4d} tokens/step: decode step {step * 1e3:6.1f} ms, time to "
+              f"first token {ttft * 1e3:7.1f} ms ({ttft / step:4.1f} steps), longest wait "
+              f"of the decoding 16: {longest * 1e3:6.1f} ms ({longest / step:4.1f} steps)",
+              flush=True)
+    print()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max_batch", type=int, default=64)
     parser.add_argument("--block_size", type=int, default=16)
+    parser.add_argument("--no_long_prompt", action="store_true",
+                        help="skip the 512-token prompt among decodes")
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores, torch threads "
           f"{torch.get_num_threads()}; torch {torch.__version__}; float32, greedy\n")
@@ -122,6 +161,8 @@ def main():
               f"{engine['tok/s'] / static:.2f}x; time to first token at a warm engine: "
               f"{engine['cold'] * 1e3:.1f} ms new prompt, {engine['cached'] * 1e3:.1f} ms "
               "prompt cached\n", flush=True)
+    if not args.no_long_prompt:
+        long_prompt_among_decodes()
 
 
 if __name__ == "__main__":

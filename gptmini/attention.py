@@ -290,7 +290,10 @@ class MultiHeadAttention(nn.Module):
         """
         b, num_tokens, _ = x.shape
         num_cached = len(kv_cache) if kv_cache is not None else 0
-        if num_cached + num_tokens > self.context_length:
+        ragged = context.ragged if context is not None else None
+        if ragged is not None:  # an engine step: its sequences' lengths are checked there
+            num_cached = context.num_keys - num_tokens
+        elif num_cached + num_tokens > self.context_length:
             raise ValueError(
                 f"attention got {num_cached + num_tokens} positions but context_length is "
                 f"{self.context_length}; crop the input to its last {self.context_length} "
@@ -318,6 +321,11 @@ class MultiHeadAttention(nn.Module):
 
         dropout_p = self.dropout.p if self.training else 0.0
         weights = None
+        if ragged is not None:  # one row per sequence for attention, then packed again
+            if return_weights:
+                raise ValueError("return_weights needs one sequence per row; an engine "
+                                 "step's packed sequences have no such weights")
+            queries, outer, context = ragged.unpack(queries), context, ragged.context
         if return_weights:
             context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
         else:
@@ -328,6 +336,8 @@ class MultiHeadAttention(nn.Module):
                     "to 0 (--model.attn_drop_rate 0) or use the sdpa or explicit backend"
                 )
             context_vec = self.kernel(queries, keys, values, context, dropout_p)
+        if ragged is not None:
+            context_vec, context = ragged.pack(context_vec), outer
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)

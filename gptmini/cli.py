@@ -261,6 +261,10 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num_blocks", type=int, default=None,
                         help="KV blocks in the pool (default: max_batch full contexts)")
+    parser.add_argument("--max_step_tokens", type=int, default=None,
+                        help="most tokens an engine step computes: decodes first, prompts "
+                             "share the rest, a longer one over several steps (default: "
+                             "512 or context_length if larger)")
     parser.add_argument("--max_pending", type=int, default=1024,
                         help="completions (prompts x n, over all calls) in flight before "
                              "answering 429; a call asking more is a 400")
@@ -278,7 +282,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """serve.py's numbers, each named with its fix (the engine would fail on them later:
     a block_size of 0 divided by zero, a max_batch of 0 blamed num_blocks)."""
     for name, low in (("max_batch", 1), ("block_size", 1), ("num_blocks", 1),
-                      ("max_pending", 1), ("attention_tokens", 1)):
+                      ("max_step_tokens", 1), ("max_pending", 1), ("attention_tokens", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ValueError(f"--{name} {value} is invalid: use {low} or more")
@@ -315,7 +319,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         model = model.to(auto_dtype(args.dtype, device))
         panel = checkpoint_panel(model, tokenizer, args.checkpoint, hparams)
         engine = Engine(model, tokenizer, block_size=args.block_size,
-                        num_blocks=args.num_blocks, max_batch=args.max_batch)
+                        num_blocks=args.num_blocks, max_batch=args.max_batch,
+                        max_step_tokens=args.max_step_tokens)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
     name = args.model_name or args.checkpoint.stem

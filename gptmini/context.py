@@ -20,6 +20,10 @@ and makes the mask's per-kernel forms lazily, once, for every layer to share:
 
 Positions are absolute within a call: the queries are the last num_tokens of num_keys
 positions (the keys before them are in a KV cache).
+
+An engine step packs the new tokens of many sequences into one row, so that every linear
+layer runs on exactly the tokens there are; its context carries a `Ragged` layout, through
+which attention reads them one sequence per row (see `Ragged`).
 """
 
 import functools
@@ -30,7 +34,7 @@ from torch import Tensor
 from gptmini import masks
 from gptmini.positions import alibi_slopes, rope_angles
 
-__all__ = ["AttentionContext", "positions_in_documents"]
+__all__ = ["AttentionContext", "Ragged", "positions_in_documents"]
 
 
 class AttentionContext:
@@ -44,8 +48,9 @@ class AttentionContext:
                  causal: bool, window_size: int | None, padded: bool, data_dependent: bool,
                  uses_cache: bool, score_mod: masks.ScoreMod | None = None,
                  alibi_heads: int | None = None, softcap: float | None = None,
-                 rows_alike: bool = False):
+                 rows_alike: bool = False, ragged: "Ragged | None" = None):
         self.positions = positions
+        self.ragged = ragged  # several sequences packed in one row (an engine step)
         self.mask = mask
         self.score_mod = score_mod
         self.alibi_heads, self.softcap = alibi_heads, softcap
@@ -64,7 +69,7 @@ class AttentionContext:
               window_size: int | None = None, attention_mask: Tensor | None = None,
               document_ids: Tensor | None = None, uses_cache: bool = False,
               alibi_heads: int | None = None, softcap: float | None = None,
-              positions: Tensor | None = None,
+              positions: Tensor | None = None, ragged: "Ragged | None" = None,
               device: torch.device | str | None = None) -> "AttentionContext":
         """The context of a call over `num_tokens` new tokens after `num_cached` cached ones.
 
@@ -80,6 +85,8 @@ class AttentionContext:
             positions: (b, num_tokens) the new tokens' positions, when they are not their
                 places in this call (a cache that dropped its oldest tokens continues from
                 the positions it holds); None: worked out from the arguments above.
+            ragged: the packed sequences' layout, for an engine step over many sequences
+                in one row (batch 1); attention then masks with `ragged.context`.
             device: where positions and masks live (default: the masks' tensors' device).
 
         Raises:
@@ -129,7 +136,7 @@ class AttentionContext:
                    window_size=window_size, padded=attention_mask is not None,
                    data_dependent=attention_mask is not None or document_ids is not None,
                    uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
-                   softcap=softcap, rows_alike=rows_alike)
+                   softcap=softcap, rows_alike=rows_alike, ragged=ragged)
 
     @property
     def plain_causal(self) -> bool:
@@ -220,6 +227,54 @@ def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_key
         parts.append(masks.sliding_window(window))
     mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
     return masks.block_mask(mask, None, num_tokens, num_keys, device)
+
+
+class Ragged:
+    """Sequences packed in one row, as an engine step runs them, and how attention reads them.
+
+    Sequence i has `num_new[i]` new tokens in the packed row, one sequence after another,
+    after `num_cached[i]` tokens of its own in the KV cache. Linear layers see the packed row
+    (1, total_new); attention sees one row per sequence, left-padded: `unpack` lays the
+    packed queries out as (num_seqs, heads, longest_new, head_dim), the cache returns each
+    sequence's keys left-padded to the longest sequence, `context` masks the padding (and is
+    causal, windowed, modified as the model's attention is: the new tokens of every row are
+    the last of its keys), and `pack` puts the output back in packed order. Padding costs
+    only attention's share of the work, and only in the rows shorter than the longest.
+    """
+
+    def __init__(self, num_new: list[int], num_cached: list[int], *, causal: bool = True,
+                 window_size: int | None = None, alibi_heads: int | None = None,
+                 softcap: float | None = None, device=None):
+        self.num_new, self.num_cached = list(num_new), list(num_cached)
+        longest_new = max(num_new)
+        self.num_keys = max(n + c for n, c in zip(num_new, num_cached, strict=True))
+        starts = torch.tensor([0, *num_new], device=device).cumsum(0)[:-1]  # packed offsets
+        new = torch.tensor(num_new, device=device)
+        column = torch.arange(longest_new, device=device)  # (longest_new,)
+        first = longest_new - new  # (num_seqs,): the first real column of each row
+        real = column >= first[:, None]  # (num_seqs, longest_new)
+        # the packed index of every (row, column), padding reading token 0 (thrown away)
+        self.query_index = torch.where(real, starts[:, None] + column - first[:, None], 0)
+        self.real = real.flatten().nonzero().squeeze(1)  # packed order, row by row
+        total = torch.tensor([n + c for n, c in zip(num_new, num_cached, strict=True)],
+                             device=device)
+        key_mask = torch.arange(self.num_keys, device=device) >= self.num_keys - total[:, None]
+        self.context = AttentionContext.build(
+            len(num_new), longest_new, self.num_keys - longest_new, causal=causal,
+            window_size=window_size, attention_mask=key_mask, uses_cache=True,
+            alibi_heads=alibi_heads, softcap=softcap)
+
+    def key_slots(self, tables: list[list[int]]) -> list[list[int]]:
+        """Each sequence's slots left-padded to `num_keys` with slot 0 (hidden by the mask)."""
+        return [[0] * (self.num_keys - len(t)) + t for t in tables]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(1, heads, total_new, head_dim) packed -> (num_seqs, heads, longest_new, head_dim)."""
+        return x[0][:, self.query_index].transpose(0, 1)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(num_seqs, heads, longest_new, head_dim) -> (1, heads, total_new, head_dim)."""
+        return x.transpose(0, 1).flatten(1, 2)[:, self.real].unsqueeze(0)
 
 
 def positions_in_documents(document_ids: Tensor) -> Tensor:

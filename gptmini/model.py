@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
 from gptmini.config import GPT_CONFIG_124M, MLPS, NORMS, PRESETS, GPTConfig
-from gptmini.context import AttentionContext
+from gptmini.context import AttentionContext, Ragged
 
 __all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "GPTConfig", "GPTModel",
            "TransformerBlock", "cross_entropy"]
@@ -166,7 +166,7 @@ class GPTModel(nn.Module):
         targets: Tensor | None = None,
         reduction: str = "mean",
         loss_chunk_size: int | None = None,
-        logits_to_keep: int | None = None,
+        logits_to_keep: int | Tensor | None = None,
         kv_caches: list[BaseKVCache] | None = None,
         return_weights: bool = False,
         document_ids: Tensor | None = None,
@@ -192,7 +192,9 @@ class GPTModel(nn.Module):
                 CPU, 8 x 1024 positions of GPT-2's vocabulary peaked at 1.3 GB instead of
                 5.3 GB, for 14% more time. None: all at once.
             logits_to_keep: compute the logits of the last this many positions only (the
-                head is the largest matmul of a small GPT; generation needs one position).
+                head is the largest matmul of a small GPT; generation needs one position),
+                or of the positions a 1-d index tensor names (an engine step: each
+                sequence's last token).
             kv_caches: one KV cache per layer (`KVCache`, or the engine's paged views); new
                 keys and values are appended.
             return_weights: also return each layer's attention weights
@@ -211,7 +213,8 @@ class GPTModel(nn.Module):
         """
         b, num_tokens = in_idx.shape
         past = len(kv_caches[0]) if kv_caches else 0
-        if past + num_tokens > self.cfg.context_length:
+        packed = context is not None and context.ragged is not None  # its rows are checked
+        if past + num_tokens > self.cfg.context_length and not packed:
             raise ValueError(
                 f"got {past + num_tokens} tokens but context_length is "
                 f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
@@ -244,7 +247,9 @@ class GPTModel(nn.Module):
                 all_weights.append(weights)
         if targets is not None and loss_chunk_size:
             return self._chunked_loss(x, targets, reduction, loss_chunk_size)
-        if logits_to_keep is not None:
+        if isinstance(logits_to_keep, Tensor):
+            x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
+        elif logits_to_keep is not None:
             x = x[:, -logits_to_keep:, :]  # (b, logits_to_keep, emb)
         logits = self._logits(x)  # (b, num_tokens, vocab_size)
         if targets is not None:
@@ -276,14 +281,21 @@ class GPTModel(nn.Module):
     def new_context(self, batch: int, num_tokens: int, num_cached: int = 0, *,
                     attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
                     uses_cache: bool = False, positions: Tensor | None = None,
-                    device=None) -> AttentionContext:
+                    ragged: Ragged | None = None, device=None) -> AttentionContext:
         """The AttentionContext of one forward pass with this model's attention settings
         (window, ALiBi, soft-cap); forward builds it, and so does the engine for a step."""
         return AttentionContext.build(
             batch, num_tokens, num_cached, causal=True, window_size=self.cfg.window_size,
             attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
             alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
-            softcap=self.cfg.attn_softcap, positions=positions, device=device)
+            softcap=self.cfg.attn_softcap, positions=positions, ragged=ragged, device=device)
+
+    def new_ragged(self, num_new: list[int], num_cached: list[int], device=None) -> Ragged:
+        """The layout of sequences packed in one row (an engine step), masked as this
+        model's attention masks (see `gptmini.context.Ragged`)."""
+        return Ragged(num_new, num_cached, causal=True, window_size=self.cfg.window_size,
+                      alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
+                      softcap=self.cfg.attn_softcap, device=device)
 
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""

@@ -262,6 +262,7 @@ def test_a_binary_prompt_file_is_named(tmp_path, capsys, checkpoint):
 @pytest.mark.parametrize(("flag", "value", "match"), [
     ("--block_size", "0", "--block_size 0 is invalid: use 1 or more"),
     ("--max_batch", "0", "--max_batch 0 is invalid: use 1 or more"),
+    ("--max_step_tokens", "0", "--max_step_tokens 0 is invalid: use 1 or more"),
     ("--num_blocks", "-3", "--num_blocks -3 is invalid"),
     ("--timeout", "nan", "--timeout nan is invalid"),
     ("--drain", "-1", "--drain -1.0 is invalid"),

@@ -8,7 +8,7 @@ import torch
 
 from gptmini import masks
 from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
-from gptmini.context import AttentionContext, positions_in_documents
+from gptmini.context import AttentionContext, Ragged, positions_in_documents
 from gptmini.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
@@ -115,14 +115,14 @@ def test_both_caches_are_one_interface_and_hold_their_tokens_positions(tiny_conf
 
     pool = KVPool(tiny_config, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
     read = torch.tensor([[0, 1, 2, 3, 4], [8, 9, 10, 11, 12]])
-    views = pool.views(read, read)
+    views = pool.views(read, read, 0)
     assert all(isinstance(v, PagedView) and isinstance(v, BaseKVCache) for v in views)
     keys = torch.randn(2, 2, 5, 8)
     positions = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])
     got_keys, _ = views[0].update(keys, keys + 1, positions)
     torch.testing.assert_close(got_keys, keys)
     assert torch.equal(views[0].positions, positions)
-    later = pool.views(torch.tensor([[2, 3, 4]]), torch.tensor([[4]]))
+    later = pool.views(torch.tensor([[2, 3, 4]]), torch.tensor([[4]]), 2)
     assert later[1].positions.tolist() == [[2, 3, 4]] and len(later[1]) == 2
 
 
@@ -134,3 +134,21 @@ def test_a_contiguous_cache_forgets_positions_it_was_not_given():
     assert cache.positions.tolist() == [[5, 6, 7, 8]]
     cache.update(keys[:, :, :1], keys[:, :, :1])  # no positions: none are known any more
     assert cache.positions is None and len(cache) == 5
+
+
+def test_ragged_lays_packed_tokens_out_one_sequence_per_row_and_back():
+    """Three sequences with 2, 1 and 3 new tokens after 4, 6 and 0 cached ones: each row
+    holds its own tokens, left-padded, its new tokens the last of its keys."""
+    ragged = Ragged([2, 1, 3], [4, 6, 0])
+    packed = torch.arange(6.0).view(1, 1, 6, 1)  # token i carries the value i
+    rows = ragged.unpack(packed)  # (3, 1, 3, 1)
+    assert rows.shape == (3, 1, 3, 1)
+    assert rows[0, 0, 1:, 0].tolist() == [0, 1] and rows[1, 0, 2:, 0].tolist() == [2]
+    assert rows[2, 0, :, 0].tolist() == [3, 4, 5]
+    assert torch.equal(ragged.pack(rows), packed)
+    assert ragged.num_keys == 7 and ragged.context.num_tokens == 3
+    allowed = ragged.context.dense()[:, 0]  # (3, 3 queries, 7 keys)
+    # row 0: keys 1..6 are its 6 tokens; its last query (token 5) sees all of them
+    assert allowed[0, 2].tolist() == [False] + [True] * 6
+    assert allowed[0, 1].tolist() == [False] + [True] * 5 + [False]  # token 4: causal
+    assert allowed[2, 0].tolist() == [False] * 4 + [True, False, False]  # its first token

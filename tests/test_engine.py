@@ -54,14 +54,18 @@ def run(engine, requests, cancel_at=None, **settings):
     return added
 
 
-@pytest.mark.parametrize(("num_blocks", "shared_prefix"), [(None, 0), (None, 20), (14, 0),
-                                                           (14, 20)])
-def test_thirty_requests_each_get_what_generate_gives_it_alone(model, num_blocks, shared_prefix):
+@pytest.mark.parametrize(("num_blocks", "shared_prefix", "step_tokens"), [
+    (None, 0, None), (None, 20, None), (14, 0, None), (14, 20, None),
+    (None, 0, 7), (14, 20, 10),  # chunked prefill: prompts of up to 40 tokens, 7 a step
+])
+def test_thirty_requests_each_get_what_generate_gives_it_alone(model, num_blocks, shared_prefix,
+                                                               step_tokens):
     """Mixed lengths, staggered arrivals, prompts that slide past the context; with 14
     blocks of 4 the pool cannot hold them all, so requests are preempted and recomputed."""
     requests = sorted(random_requests(30, seed=1, shared_prefix=shared_prefix),
                       key=lambda r: r[2])
-    engine = Engine(model, block_size=4, num_blocks=num_blocks, max_batch=8)
+    engine = Engine(model, block_size=4, num_blocks=num_blocks, max_batch=8,
+                    max_step_tokens=step_tokens)
     done = run(engine, requests)
     for (prompt, max_new, _), request in zip(requests, done, strict=True):
         assert request.tokens == alone(model, prompt, max_new), request.id
@@ -161,6 +165,12 @@ def test_bad_requests_are_refused_and_the_others_go_on(model, prompt, settings, 
     assert good.tokens == alone(model, [3, 4, 5], 6)
 
 
+@pytest.mark.parametrize("settings", [{"max_step_tokens": 0}, {"max_batch": 0}])
+def test_an_engine_that_could_not_step_is_refused(model, settings):
+    with pytest.raises(ValueError, match="max_step_tokens and max_batch must be >= 1"):
+        Engine(model, **settings)
+
+
 def test_a_request_that_can_never_fit_the_pool_is_refused(model):
     engine = Engine(model, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="more than the whole KV pool"):
@@ -241,3 +251,25 @@ def test_logprobs_are_the_models_distribution_at_each_generated_token(model):
         want = row.topk(4)
         assert [t for t, _ in top] == want.indices.tolist()
         assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-5)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
+    """With a budget of 8 tokens a step, a 40-token prompt takes several steps, and the
+    request already decoding gains a token at every one of them."""
+    engine = Engine(model, block_size=4, max_step_tokens=8)
+    decoding = engine.add_request([1, 2, 3], max_new_tokens=20)
+    engine.step()
+    long_prompt = list(range(100, 140))
+    long = engine.add_request(long_prompt, max_new_tokens=5)
+    cached, steps = [], 0
+    while not long.tokens:
+        before = len(decoding.tokens)
+        engine.step()
+        steps += 1
+        assert len(decoding.tokens) == before + 1  # never stalled
+        cached.append(long.num_cached)
+    assert steps == 6 and cached[:5] == [7, 14, 21, 28, 35]  # 7 a step beside one decode
+    while engine.has_work:
+        engine.step()
+    assert long.tokens == alone(model, long_prompt, 5)
+    assert decoding.tokens == alone(model, [1, 2, 3], 20)

@@ -1,9 +1,11 @@
 """Paged attention and continuous batching: generate for many requests at once.
 
 `Engine` (engine.py) takes requests (request.py) at any time and steps them together over
-a paged KV cache: `BlockAllocator` (blocks.py) hands out fixed-size blocks with reference
-counts and a prefix cache, and `KVPool` (paged.py) holds their keys and values and shows
-them to the model as ordinary caches.
+a paged KV cache: the `Scheduler` (scheduler.py) decides what each step computes, within
+the blocks that `BlockAllocator` (blocks.py) hands out with reference counts and a prefix
+cache; the `ModelRunner` (runner.py) turns a step into tensors and runs the model once,
+over `KVPool` (paged.py), which holds the blocks' keys and values and shows them to the
+model as ordinary caches.
 
     engine = Engine(model, tokenizer)
     done = engine.generate([tokenizer.encode("ROMEO:"), ...], max_new_tokens=50)
@@ -13,7 +15,9 @@ from gptmini.engine.blocks import BlockAllocator, block_hash
 from gptmini.engine.engine import Engine
 from gptmini.engine.paged import KVPool, PagedView
 from gptmini.engine.request import Request
+from gptmini.engine.runner import ModelRunner
+from gptmini.engine.scheduler import Chunk, Scheduler
 from gptmini.sampling import Detokenizer, SamplingParams
 
-__all__ = ["BlockAllocator", "Detokenizer", "Engine", "KVPool", "PagedView", "Request",
-           "SamplingParams", "block_hash"]
+__all__ = ["BlockAllocator", "Chunk", "Detokenizer", "Engine", "KVPool", "ModelRunner",
+           "PagedView", "Request", "SamplingParams", "Scheduler", "block_hash"]

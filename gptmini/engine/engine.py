@@ -4,44 +4,36 @@ Each `step` does what a chapter 4 reader would do by hand for a batch, but with 
 that come and go:
 
 1. take the requests added since the last step (from any thread) and drop cancelled ones;
-2. admit waiting requests, oldest first, while the pool has blocks for their prompts,
-   reusing the cached blocks of a prefix seen before, and *prefill* each one: run its
-   prompt (the part not cached) once, writing its keys and values into its blocks;
-3. *decode*: one forward pass over the newest token of every other running request, each
-   attending to its own blocks, so a short request leaves the batch as soon as it ends
-   and a new one takes its place at the next step;
-4. sample every request's next token in one call, each with its own settings and random
-   generator, and finish requests that drew a stop token, wrote a stop string or reached
-   max_new_tokens.
+2. *schedule* (gptmini.engine.scheduler): admit waiting requests while the pool has blocks
+   for their prompts (reusing cached blocks of a prefix seen before), and pick the tokens
+   to compute: the newest token of every decoding request, and prompts (or chunks of
+   them, within a per-step token budget) of those being prefilled;
+3. *run* (gptmini.engine.runner): one forward pass over all those tokens packed in one row,
+   each sequence attending to its own blocks, writing their keys and values there;
+4. *sample* every request whose tokens are all computed, in one call, each with its own
+   settings and random generator, and finish requests that drew a stop token, wrote a stop
+   string or reached max_new_tokens; the next step a new request takes a finished one's
+   place.
 
-When a decode step needs a block and none is free, the youngest running request is
-*preempted*: its blocks go back (named ones stay cached), it waits at the front of the
-queue, and when readmitted its prompt and tokens so far are computed again (the cached
-blocks make that cheap). Its generator is kept, so its text is the same as if it had never
-been preempted.
-
-Positions are each request's own (the step's attention context counts them from each row's
-first real token, as `GPTModel.forward` does for padding). A request that
-outgrows `context_length` slides exactly as `generate()` does: from then on each token
-recomputes the last `context_length` tokens. Unlike `generate()`, which crops a prompt
-that is too long, the engine refuses it: silently dropping the start of a prompt is not
-what a server's client asked for.
+A preempted request keeps its generator, so its text is the same as if it had never been
+preempted. Positions are each request's own, counted from its first token (from the first
+token kept, once it slides past `context_length` as `generate()` does). Unlike
+`generate()`, which crops a prompt that is too long, the engine refuses it: silently
+dropping the start of a prompt is not what a server's client asked for.
 """
 
 import itertools
 import math
 import queue
 import threading
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from gptmini.context import AttentionContext
-from gptmini.engine.blocks import BlockAllocator, block_hash
-from gptmini.engine.paged import KVPool
 from gptmini.engine.request import Request
+from gptmini.engine.runner import ModelRunner
+from gptmini.engine.scheduler import Scheduler
 from gptmini.sampling import Detokenizer, SamplingParams, sample, token_logprobs
 
 
@@ -55,30 +47,42 @@ class Engine:
         num_blocks: blocks in the pool (all layers together); None: enough for
             `max_batch` requests of `context_length` tokens.
         max_batch: most requests running at once.
+        max_step_tokens: most tokens one step computes (decodes first, one token each;
+            prefills share what is left, a longer prompt over several steps). None:
+            `max(512, context_length)`.
         prefix_caching: reuse the blocks of prompts that start the same way.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 32,
-                 prefix_caching: bool = True):
+                 max_step_tokens: int | None = None, prefix_caching: bool = True):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch
-        self.blocks_per_sequence = math.ceil(self.context / block_size)
-        num_blocks = num_blocks or max_batch * self.blocks_per_sequence
-        weight = next(model.parameters())
-        self.pool = KVPool(model.cfg, num_blocks, block_size, weight.dtype, weight.device)
-        self.blocks = BlockAllocator(num_blocks, block_size)
-        self.device, self.prefix_caching = weight.device, prefix_caching
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        num_blocks = num_blocks or max_batch * math.ceil(self.context / block_size)
+        if max_step_tokens is None:
+            max_step_tokens = max(512, self.context)
+        if max_step_tokens < 1 or max_batch < 1:
+            raise ValueError(f"max_step_tokens and max_batch must be >= 1, got "
+                             f"{max_step_tokens} and {max_batch}")
+        self.scheduler = Scheduler(self.context, num_blocks, block_size, max_batch,
+                                   max_step_tokens, model.cfg.window_size, prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.device = self.runner.device
         self._incoming: list[Request] = []
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.num_preemptions = 0
         self.num_prefilled = 0
-        """Prompt tokens computed by prefills (the ones found in the prefix cache are not)."""
+        """Tokens computed for prompts, and for requests recomputing after a preemption or
+        a slide (the ones found in the prefix cache are not)."""
+
+    # the scheduler's state, as the engine's users read it
+    blocks = property(lambda self: self.scheduler.blocks)
+    pool = property(lambda self: self.runner.pool)
+    running = property(lambda self: self.scheduler.running)
+    waiting = property(lambda self: self.scheduler.waiting)
+    num_preemptions = property(lambda self: self.scheduler.num_preemptions)
 
     # --- requests in ----------------------------------------------------------------
 
@@ -150,7 +154,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit, prefill, decode and sample once (see the module docstring)."""
+        """Schedule, run the model once, and sample (see the module docstring)."""
         with self._lock:
             self.waiting.extend(self._incoming)
             self._incoming.clear()
@@ -158,154 +162,19 @@ class Engine:
         for request in [*self.waiting, *self.running]:
             if request.id in cancelled:
                 self._finish(request, "cancelled")
-        sliding = [r for r in self.running if len(r.all_tokens) > self.context]
-        for request in sliding:  # past the context: recompute the last context_length
-            self._release(request)
-            self.running.remove(request)
-            self.waiting.appendleft(request)
-        fresh = self._admit()
-        decoding = [r for r in self.running if r not in fresh]
-        decoding = self._reserve(decoding)
-        rows = [r for r in fresh if r in self.running]  # not preempted by an older one
-        logits = [self._prefill(request) for request in rows]
-        if decoding:
-            rows += decoding
-            logits.append(self._decode(decoding))  # (b, vocab_size)
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        self.num_prefilled += sum(c.num_new for c in chunks if not c.request.decoding)
+        rows = [c.request for c in chunks if c.samples]
+        logits = self.runner.run(chunks)  # (len(rows), vocab_size)
+        self.scheduler.computed(chunks)
         if rows:  # one call samples the step, each row with its settings and generator
-            logits = torch.cat(logits)
             tokens = sample(logits, [r.params for r in rows], [r.generator for r in rows])
             found = self._logprobs(rows, logits, tokens)
             for i, (request, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+                request.decoding = True
                 self._accept(request, token, found.get(i))
-
-    def _admit(self) -> list[Request]:
-        admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
-            tokens = request.all_tokens[-self.context:]
-            request.start = len(request.all_tokens) - len(tokens)
-            hits = self._cached_prefix(request, tokens)
-            needed = math.ceil(len(tokens) / self.block_size) - len(hits)
-            if needed > self.blocks.num_free:
-                for block in hits:
-                    self.blocks.release(block)
-                break  # oldest first: later requests wait their turn
-            request.table = hits + [self.blocks.allocate() for _ in range(needed)]
-            request.names = request.names[:len(hits)]
-            request.num_cached = len(hits) * self.block_size
-            self.waiting.popleft()
-            self.running.append(request)
-            admitted.append(request)
-        return admitted
-
-    def _cached_prefix(self, request: Request, tokens: list[int]) -> list[int]:
-        """Blocks of the longest cached prefix of `tokens` (each now used once more). The
-        last token is always computed: its logits pick the next token."""
-        hits, names, parent = [], [], None
-        if not self.prefix_caching:
-            return hits
-        size = self.block_size
-        for i in range((len(tokens) - 1) // size):
-            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
-            block = self.blocks.lookup(parent)
-            if block is None:
-                break
-            hits.append(block)
-            names.append(parent)
-        request.names = names
-        return hits
-
-    def _reserve(self, decoding: list[Request]) -> list[Request]:
-        """A slot for every decoding request's newest token, preempting the youngest
-        running requests while the pool is short. Returns those still decoding."""
-        for request in sorted(decoding, key=lambda r: r.id):
-            if request not in self.running:
-                continue  # preempted for an older one
-            if request.num_cached == len(request.table) * self.block_size:  # all full
-                while self.blocks.num_free == 0:
-                    self._preempt(max(self.running, key=lambda r: r.id))
-                    if request not in self.running:
-                        break
-                else:
-                    request.table.append(self.blocks.allocate())
-        return [r for r in decoding if r in self.running]
-
-    def _preempt(self, request: Request) -> None:
-        self._release(request)
-        self.running.remove(request)
-        self.waiting.appendleft(request)
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-
-    # --- the model ------------------------------------------------------------------
-
-    def _prefill(self, request: Request) -> Tensor:
-        tokens = request.all_tokens[request.start:]
-        begin, end = request.num_cached, len(tokens)
-        read = torch.tensor([self.pool.slots(request.table, 0, end)], device=self.device)
-        write = read[:, begin:]
-        ids = torch.tensor([tokens[begin:]], device=self.device)
-        context = self._context(1, end - begin, begin)
-        logits = self.model(ids, kv_caches=self.pool.views(read, write), context=context,
-                            logits_to_keep=1)
-        request.num_cached = end
-        self.num_prefilled += end - begin
-        self._name_full_blocks(request, tokens)
-        self._drop_blocks_behind_window(request)
-        return logits[:, -1].float()
-
-    def _decode(self, batch: list[Request]) -> Tensor:
-        longest = max(r.num_cached + 1 for r in batch)
-        read, mask, write, ids = [], [], [], []
-        for request in batch:
-            n = request.num_cached + 1
-            slots = self.pool.slots(request.table, 0, n)
-            read.append([0] * (longest - n) + slots)
-            mask.append([0] * (longest - n) + [1] * n)
-            write.append(slots[-1:])
-            ids.append(request.all_tokens[-1:])
-        read, write = (torch.tensor(x, device=self.device) for x in (read, write))
-        mask, ids = (torch.tensor(x, device=self.device) for x in (mask, ids))
-        context = self._context(len(batch), 1, longest - 1, attention_mask=mask)
-        logits = self.model(ids, kv_caches=self.pool.views(read, write), context=context,
-                            logits_to_keep=1)
-        for request in batch:
-            request.num_cached += 1
-            self._name_full_blocks(request, request.all_tokens[request.start:])
-            self._drop_blocks_behind_window(request)
-        return logits[:, -1].float()
-
-    def _context(self, batch: int, num_tokens: int, num_cached: int,
-                 attention_mask: Tensor | None = None) -> AttentionContext:
-        """The step's attention context: built once, read by every layer."""
-        return self.model.new_context(batch, num_tokens, num_cached,
-                                      attention_mask=attention_mask, uses_cache=True,
-                                      device=self.device)
-
-    def _drop_blocks_behind_window(self, request: Request) -> None:
-        """With a sliding window, the next query (position num_cached) sees keys from
-        num_cached + 1 - window_size on: blocks wholly before that go back to the pool,
-        leaving a hole (-1) in the table, so a sequence holds about window/block + 1 blocks.
-        The holes still count as positions (read from a dummy slot that the window mask
-        hides)."""
-        window = self.model.cfg.window_size
-        if window is None:
-            return
-        first_seen = request.num_cached + 1 - window
-        for i in range(max(0, first_seen) // self.block_size):
-            if request.table[i] >= 0:
-                self.blocks.release(request.table[i])
-                request.table[i] = -1
-
-    def _name_full_blocks(self, request: Request, tokens: list[int]) -> None:
-        if not self.prefix_caching:
-            return
-        size = self.block_size
-        for i in range(len(request.names), request.num_cached // size):
-            parent = request.names[-1] if request.names else None
-            name = block_hash(parent, tokens[i * size:(i + 1) * size])
-            request.table[i] = self.blocks.register(request.table[i], name)
-            request.names.append(name)
 
     # --- tokens out -----------------------------------------------------------------
 
@@ -334,17 +203,8 @@ class Engine:
         if reason:
             self._finish(request, reason)
 
-    def _release(self, request: Request) -> None:
-        for block in request.table:
-            if block >= 0:  # -1: dropped behind the window already
-                self.blocks.release(block)
-        request.table, request.num_cached = [], 0
-
     def _finish(self, request: Request, reason: str) -> None:
-        self._release(request)
-        for where in (self.running, self.waiting):
-            if request in where:
-                where.remove(request)
+        self.scheduler.finish(request)
         if request.detokenizer is not None:
             request.detokenizer.finish()
         request.finish_reason = reason

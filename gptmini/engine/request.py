@@ -32,6 +32,8 @@ class Request:
     """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
     num_cached: int = 0
     """Tokens from `start` whose keys and values are in the blocks."""
+    decoding: bool = False
+    """Its prompt is computed and it adds one token a step (until preempted or slid)."""
     events: queue.Queue = field(default_factory=queue.Queue, repr=False)
     detokenizer: Detokenizer | None = field(default=None, repr=False)
 
@@ -48,3 +50,13 @@ class Request:
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens from `start` on: what the cache holds once the request is up to date."""
+        return len(self.prompt) + len(self.tokens) - self.start
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to compute: 1 while decoding, more while (re)prefilling."""
+        return self.num_tokens - self.num_cached
