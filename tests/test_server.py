@@ -42,9 +42,9 @@ def eventually(condition, seconds: float, failure: str) -> None:
         time.sleep(0.02)
 
 
-def start(model, max_batch=16, **options):
+def start(model, max_batch=16, num_blocks=None, **options):
     """A server on 127.0.0.1, port 0, in a thread: (base url, engine, stop function)."""
-    engine = Engine(model, ENC, block_size=4, max_batch=max_batch)
+    engine = Engine(model, ENC, block_size=4, max_batch=max_batch, num_blocks=num_blocks)
     app = create_app(engine, "tiny", **options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -220,6 +220,22 @@ def test_special_tokens_in_a_prompt_encode_as_generate_py_encodes_them(client, m
     while engine.has_work:
         engine.step()
     assert done.choices[0].text == alone.text
+
+
+def test_a_400_names_the_field_its_check_looked_at(model):
+    """Before, every refusal the engine raised was blamed on the prompt; a request longer
+    than the KV pool is max_tokens' fault, and a sampling setting names itself
+    (SamplingError.field), whatever its message says."""
+    url, _, stop = start(model, num_blocks=2)  # 8 tokens of pool
+    try:
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 20}
+        error = httpx.post(f"{url}/v1/completions", json=body).json()["error"]
+        assert error["param"] == "max_tokens" and "whole KV pool" in error["message"]
+        error = httpx.post(f"{url}/v1/completions", json={
+            **body, "max_tokens": 2, "temperature": -0.5}).json()["error"]
+        assert error["param"] == "temperature" and "finite number >= 0" in error["message"]
+    finally:
+        stop()
 
 
 def test_unknown_routes_answer_in_openai_shape(served):
