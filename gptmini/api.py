@@ -4,17 +4,20 @@ and range before anything runs, so a wrong value is a 400 naming the field, neve
 `"temperature": true` is not 1).
 """
 
+import codecs
 import hashlib
 import math
 from typing import Any
 
-NEUTRAL = {"logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+from gptmini.sampling import MAX_LOGPROBS
+
+NEUTRAL = {"echo": (None, False), "best_of": (None, 1),
            "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
            "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "user": None,
            "stream_options": None}
 """Fields clients send by default, accepted at their neutral values (None: checked below)."""
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-         "stop", "stream", *NEUTRAL}
+         "stop", "stream", "logprobs", "return_token_ids", *NEUTRAL}
 SEED_RANGE = (-2**63, 2**64)
 """OpenAI's seed is a 64-bit integer; either signedness is taken."""
 
@@ -134,6 +137,8 @@ def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
         "seed": _integer(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1,
                          "of 64 bits (in [-2**63, 2**64))"),
         "stream": _boolean(body.get("stream"), "stream"),
+        "logprobs": _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
+        "return_token_ids": _boolean(body.get("return_token_ids"), "return_token_ids"),
         "include_usage": _boolean((options or {}).get("include_usage"),
                                   "stream_options.include_usage")}
     if settings["top_p"] is not None and settings["top_p"] == 1:
@@ -144,3 +149,37 @@ def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
 def _is_ids(value) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def token_text(enc, token: int) -> str:
+    """A token as OpenAI's logprobs name it: its text, or "bytes:\\xe2\\x80" for a token
+    that is part of a character (distinct ids never share a name)."""
+    raw = enc.decode_single_token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class LogprobsWriter:
+    """OpenAI's `logprobs` object of one choice, a few tokens at a time (a stream's chunks):
+    `tokens`, `token_logprobs`, `top_logprobs` (the top N and the chosen token, so up to
+    N + 1 names) and `text_offset` (characters before each token, the prompt's included)."""
+
+    def __init__(self, enc, prompt_chars: int):
+        self.enc, self.offset = enc, prompt_chars
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, tokens: list[int], entries: list) -> dict:
+        """The object for `tokens`, given their `Request.logprobs` entries."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, (logprob, top) in zip(tokens, entries, strict=True):
+            name = token_text(self.enc, token)
+            candidates = {token_text(self.enc, i): value for i, value in top}
+            candidates.setdefault(name, logprob)
+            out["tokens"].append(name)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(candidates)
+            out["text_offset"].append(self.offset)
+            self.offset += len(self._chars.decode(self.enc.decode_single_token_bytes(token)))
+        return out

@@ -14,6 +14,7 @@ from torch import nn
 
 from gptmini.api import SEED_RANGE, json_type
 from gptmini.engine import Engine
+from gptmini.tokenizer import encode_prompt
 
 BATCH_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 
@@ -118,9 +119,9 @@ def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespa
                     **{k: v for k, v in record.items() if k != "prompt"}}
         settings["stop"] = tuple([settings["stop"]] if isinstance(settings.get("stop"), str)
                                  else settings.get("stop") or ())
-        ids = tokenizer.encode(record["prompt"], allowed_special={"<|endoftext|>"})
+        ids = encode_prompt(tokenizer, record["prompt"])
         try:
-            requests.append(engine.add_request(ids or [tokenizer.eot_token],
+            requests.append(engine.add_request(ids,
                                                stop_ids=(tokenizer.eot_token,), **settings))
         except (ValueError, TypeError) as err:
             raise ValueError(f"prompt {i + 1} of {args.batch_file}: {err}") from None

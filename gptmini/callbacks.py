@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.lit_module import GPTLitModule, StepWatch, rng_states, set_rng_states
 from gptmini.plots import attention_weights, plot_attention, require_matplotlib
+from gptmini.tokenizer import encode_prompt
 
 
 class EveryNSteps(Callback):
@@ -253,7 +254,7 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
 
     tokenizer = pl_module.tokenizer
     model = pl_module.model
-    ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
+    ids = encode_prompt(tokenizer, prompt)
     idx = torch.tensor([ids], device=pl_module.device)
     was_training = model.training
     model.eval()
@@ -306,7 +307,7 @@ class AttentionMapCallback(EveryNSteps):
         except ImportError as err:
             return self._disable(str(err))
         cfg = pl_module.model.cfg
-        num_tokens = len(pl_module.tokenizer.encode(self.prompt, allowed_special="all") or [0])
+        num_tokens = len(encode_prompt(pl_module.tokenizer, self.prompt))
         if num_tokens > cfg.context_length:
             return self._disable(
                 f"the prompt is {num_tokens} tokens, longer than context_length "

@@ -45,6 +45,7 @@ __all__ = [
     "model_config",
     "read_checkpoint",
     "tokenizer_entry",
+    "training_steps",
     "write_model_entries",
 ]
 
@@ -131,6 +132,18 @@ def load_checkpoint(
             f"({cfg}): {'; '.join(problems[:3])}{more}"
         ) from None
     return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def training_steps(path: str | Path) -> int | None:
+    """The optimizer steps a gptmini checkpoint was saved after (Lightning's `global_step`);
+    None for a Hugging Face directory or a file without the count. Memory-maps the file,
+    so a large checkpoint is not read twice."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    ckpt = read_checkpoint(path, mmap=True)
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _hf_directory_tokenizer(path: Path, gpt2_layout: bool) -> tiktoken.Encoding:

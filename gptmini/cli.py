@@ -269,6 +269,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="completions (prompts x n, over all calls) in flight before "
                              "answering 429; a call asking more is a 400")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--attention_tokens", type=int, default=512,
+                        help="longest text the page's attention endpoint takes (memory: "
+                             "layers x heads x tokens^2 weights)")
     parser.add_argument("--drain", type=float, default=30.0,
                         help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
     _add_device_options(parser)
@@ -279,7 +282,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """serve.py's numbers, each named with its fix (the engine would fail on them later:
     a block_size of 0 divided by zero, a max_batch of 0 blamed num_blocks)."""
     for name, low in (("max_batch", 1), ("block_size", 1), ("num_blocks", 1),
-                      ("max_step_tokens", 1), ("max_pending", 1)):
+                      ("max_step_tokens", 1), ("max_pending", 1), ("attention_tokens", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ValueError(f"--{name} {value} is invalid: use {low} or more")
@@ -299,6 +302,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvicorn
 
+        from gptmini.page import checkpoint_panel
         from gptmini.server import create_app
     except ImportError:
         parser.error("the server needs its extra: pip install -e '.[serve]'")
@@ -310,8 +314,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                      "(0..65535, free) or --host")
     try:
         check_serve_args(args)
-        model, tokenizer = _load_on_device(args.checkpoint, _resolve_device(args.device),
-                                           args.dtype)
+        device = _resolve_device(args.device)
+        model, tokenizer, hparams = load_checkpoint(args.checkpoint, map_location=device)
+        model = model.to(auto_dtype(args.dtype, device))
+        panel = checkpoint_panel(model, tokenizer, args.checkpoint, hparams)
         engine = Engine(model, tokenizer, block_size=args.block_size,
                         num_blocks=args.num_blocks, max_batch=args.max_batch,
                         max_step_tokens=args.max_step_tokens)
@@ -319,9 +325,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     name = args.model_name or args.checkpoint.stem
     app = create_app(engine, name, api_key=args.api_key, max_pending=args.max_pending,
-                     timeout=args.timeout)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions)",
-          flush=True)
+                     timeout=args.timeout, checkpoint=panel,
+                     attention_tokens=args.attention_tokens)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions); "
+          f"the page: http://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
                 log_level="warning")
     return 0

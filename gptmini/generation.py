@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from gptmini.sampling import Detokenizer, SamplingParams, sample, sample_next_token
+from gptmini.tokenizer import encode_prompt
 
 __all__ = [
     "generate",
@@ -319,7 +320,8 @@ def stream_text(
     Args:
         model: a `GPTModel` in eval mode.
         tokenizer: a tiktoken `Encoding` (see `gptmini.tokenizer.get_tokenizer`).
-        prompt: the text to continue; `<|endoftext|>` in it is the special token.
+        prompt: the text to continue; a special token written in it (`<|endoftext|>`) is
+            that token (`gptmini.tokenizer.encode_prompt`, the rule serve.py shares).
         max_new_tokens: most tokens to add.
         stop_at_eos: stop at `<|endoftext|>` (not printed).
         use_cache: generate with the KV cache (the default here; same greedy tokens).
@@ -328,7 +330,7 @@ def stream_text(
         Pieces of the generated text (the prompt itself is not repeated).
     """
     eot = tokenizer.eot_token
-    ids = tokenizer.encode(prompt, allowed_special={"<|endoftext|>"}) or [eot]
+    ids = encode_prompt(tokenizer, prompt)
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     text, sent = Detokenizer(tokenizer), 0

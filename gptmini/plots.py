@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from gptmini.tokenizer import encode_prompt
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from tiktoken import Encoding
@@ -118,7 +120,7 @@ def attention_weights(
     layer = check_index("layer", layer, cfg.n_layers, "layers")
     if left_pad < 0:
         raise ValueError(f"left_pad must be 0 or more, got {left_pad}")
-    ids = tokenizer.encode(prompt, allowed_special="all") or [tokenizer.eot_token]
+    ids = encode_prompt(tokenizer, prompt)
     num_tokens = left_pad + len(ids)
     if num_tokens > cfg.context_length:
         raise ValueError(

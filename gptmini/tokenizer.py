@@ -118,6 +118,14 @@ def _encoding(name: str, ranks: dict[bytes, int], pattern: str = GPT2_PATTERN
                              explicit_n_vocab=len(ranks) + 1)
 
 
+def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """The ids of a prompt, by the one rule generate.py, serve.py, visualize.py and the
+    training samples share: a special token written in the text (`<|endoftext|>`, and any
+    other the encoding defines) is that token, never its characters; an empty prompt is
+    `<|endoftext|>` alone. (Training text is the other way round: see data/tokens.py.)"""
+    return enc.encode(text, allowed_special="all") or [enc.eot_token]
+
+
 def byte_tokenizer() -> tiktoken.Encoding:
     """256 ids, one per byte value, and `<|endoftext|>` (id 256): every character is one to
     four tokens, as in nanoGPT's character-level Shakespeare but for any Unicode text."""

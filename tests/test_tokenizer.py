@@ -161,3 +161,17 @@ def test_the_hugging_face_tokenizer_json_encodes_to_the_same_ids(fitted, tmp_pat
         assert theirs.encode(text) == enc.encode(text, allowed_special="all")
     back = tok.from_hf_tokenizer(json.loads(path.read_text()))
     assert tok.tokenizer_fingerprint(back) == tok.tokenizer_fingerprint(enc)
+
+
+def test_a_prompt_encodes_special_tokens_written_in_it_as_those_tokens():
+    """One rule for every prompt (generate.py, serve.py, visualize.py): a special token
+    written in the text is that token, whichever special tokens the encoding has; an empty
+    prompt is <|endoftext|> alone."""
+    byte = tok.byte_tokenizer()
+    two = tiktoken.Encoding(name="two-specials", pat_str=byte._pat_str,
+                            mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={"<|endoftext|>": 256, "<|pad|>": 257})
+    assert tok.encode_prompt(byte, "a<|endoftext|>b") == [97, 256, 98]
+    assert tok.encode_prompt(two, "a<|pad|>b<|endoftext|>") == [97, 257, 98, 256]
+    assert tok.encode_prompt(two, "") == [256] and tok.encode_prompt(byte, "") == [256]
+    assert tok.encode_prompt(get_tokenizer(), "<|endoftext|>") == [50256]

@@ -1,0 +1,165 @@
+"""serve.py as users run it: its own process, SIGTERM draining the requests in flight, and
+its arguments' errors. (The routes themselves are tests/test_server.py's.)"""
+
+import concurrent.futures
+import json
+import time
+
+import pytest
+import torch
+
+from gptmini.engine import Engine
+from gptmini.model import GPTModel
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from test_server import eventually  # noqa: E402
+
+from gptmini.server import choice_seed  # noqa: E402
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
+    """serve.py as users run it: SIGTERM stops new connections, finishes the running stream
+    to its [DONE], then exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_checkpoint, tiny
+
+    torch.manual_seed(0)
+    checkpoint = save_checkpoint(GPTModel(tiny()).eval(), tmp_path / "tiny.ckpt")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
+                               "--port", str(port), "--dtype", "float32"], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "serve.py did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 1500, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+            lines = answer.iter_lines()
+            next(lines)  # the stream is running
+            server.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+            with pytest.raises(httpx.TransportError):  # no new connections while draining
+                httpx.get(f"{url}/health")
+        assert rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2][6:])["usage"]
+        last = json.loads(rest[-3][6:])["choices"][0]
+        assert last["finish_reason"] == "length" and usage["completion_tokens"] == 1500
+        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_path):
+    """The issue's reproduction: 8 concurrent sampled calls with max_tokens 3000 that end at
+    <|endoftext|> after a few hundred tokens (a model whose <|endoftext|> has about 1/400 of
+    the probability at every step), SIGTERM once all 8 run: every one is answered in full,
+    with the text it gets undisturbed (seeded, float64), before serve.py exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_checkpoint, tiny
+
+    from gptmini.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny(context_length=64)).eval()
+    with torch.no_grad():  # a near-constant last hidden state: <|endoftext|> at ~1/400
+        model.final_norm.weight.fill_(0.1)
+        model.final_norm.bias.fill_(1.0)
+        model.out_head.weight[50256] = 0.22
+    checkpoint = save_checkpoint(model, tmp_path / "ends.ckpt")
+    reference, tokenizer, _ = load_checkpoint(checkpoint)
+    engine = Engine(reference.double(), tokenizer)
+    alone = [engine.add_request(tokenizer.encode(f"Request {i}:"), max_new_tokens=600,
+                                temperature=0.7, seed=choice_seed(i, 0),
+                                stop_ids=(tokenizer.eot_token,)) for i in range(24)]
+    while engine.has_work:
+        engine.step()
+    # Seeds whose text ends on its own after 120 to 600 tokens: all 8 surely still run
+    # when the signal comes, and none runs to max_tokens.
+    seeds = [i for i, r in enumerate(alone) if r.finish_reason == "stop"
+             and 120 <= len(r.tokens)][:8]
+    assert len(seeds) == 8
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
+                               "--port", str(port), "--dtype", "float64", "--drain", "60"],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    url = f"http://127.0.0.1:{port}"
+    bodies = [{"prompt": f"Request {i}:", "max_tokens": 3000, "temperature": 0.7, "seed": i,
+               "stream": k % 2 == 0} for k, i in enumerate(seeds)]
+
+    def call(body):
+        if not body["stream"]:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+                "choices"][0]["text"]
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+            lines = [line for line in answer.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    try:
+        eventually(lambda: server.poll() is None and _healthy(url), 60, "serve.py did not start")
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, body) for body in bodies]
+            eventually(lambda: httpx.get(f"{url}/health").json()["running"] == 8, 30,
+                       "the 8 requests did not all start")
+            server.send_signal(signal.SIGTERM)
+            texts = [f.result(timeout=120) for f in futures]
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        server.kill()
+        log = server.communicate()[0]
+    assert "Cancel" not in log, log
+    assert texts == [alone[i].text for i in seeds]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_py_names_a_bad_checkpoint_or_a_busy_port(tmp_path, capsys):
+    import socket
+
+    from gptmini.cli import serve_main
+
+    with pytest.raises(SystemExit) as missing:
+        serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", "0"])
+    assert missing.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        with pytest.raises(SystemExit) as taken:
+            serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", port])
+    assert taken.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in (
+        capsys.readouterr().err)
