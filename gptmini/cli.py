@@ -266,7 +266,8 @@ def serve_parser() -> argparse.ArgumentParser:
                              "answering 429; a call asking more is a 400")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--drain", type=float, default=30.0,
-                        help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
+                        help="seconds to finish the requests in flight on SIGTERM or Ctrl-C; "
+                             "those still running then are answered 503")
     _add_device_options(parser)
     return parser
 
@@ -293,7 +294,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra is installed)
 
         from gptmini.server import create_app
     except ImportError:
@@ -317,6 +318,23 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                      timeout=args.timeout)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions)",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
-                log_level="warning")
-    return 0
+    return _serve_draining(app, args.host, args.port, args.drain)
+
+
+def _serve_draining(app, host: str, port: int, drain: float) -> int:
+    """uvicorn.run, but a shutdown first tells the app its drain time (server.drain), so that
+    requests still running after `drain` seconds are answered 503; uvicorn waits one second
+    more for those answers before it drops connections."""
+    import uvicorn
+
+    from gptmini.server import drain as begin_drain
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            begin_drain(app, drain)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=drain + 1))
+    server.run()
+    return 0 if server.started else 3  # (uvicorn.run's exit status for a failed start)

@@ -11,7 +11,8 @@ scope: a base model has no chat template. Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters, malformed
 JSON or a call asking more completions (prompts x n) than the server holds, 401 for a
 missing or wrong key, 404 for an unknown model or path, 429 when too many completions are
-in flight, 504 when a request outlives its timeout. The command line, `serve.py`, is
+in flight, 503 for the requests still running when a shutdown's drain time is over
+(`drain`), 504 when a request outlives its timeout. The command line, `serve.py`, is
 `gptmini.cli.serve_main`.
 """
 
@@ -19,16 +20,21 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gptmini.api import APIError, choice_seed, parse
 from gptmini.engine import Engine, Request
 from gptmini.sampling import SamplingParams
 
-__all__ = ["APIError", "EngineLoop", "choice_seed", "create_app", "parse"]
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["APIError", "EngineLoop", "choice_seed", "create_app", "drain", "parse"]
 
 class EngineLoop:
     """Steps the engine on one background thread while it has work, and tells the event
@@ -109,6 +115,25 @@ def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
                default=0)
 
 
+def drain(app: "FastAPI", seconds: float) -> None:
+    """Begin a shutdown: the requests in flight go on for `seconds`, then each still running
+    is answered 503 (a stream: an error event) instead of having its connection dropped."""
+    app.state.drain_until = time.monotonic() + seconds
+
+
+def overdue(app: "FastAPI", deadline: float, timeout: float) -> APIError | None:
+    """The APIError that ends a request now: past the drain of a shutdown, or past its own
+    `deadline` (--timeout); None while it may go on."""
+    now = time.monotonic()
+    if now > app.state.drain_until:
+        return APIError(503, "the server is shutting down and its drain time (serve.py "
+                        "--drain) is over; send the request again", kind="server_error")
+    if now > deadline:
+        return APIError(504, f"the request took longer than {timeout:g} s",
+                        kind="timeout_error")
+    return None
+
+
 def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,
                max_pending: int = 1024, timeout: float = 600.0):
     """The FastAPI application serving `engine` (which needs its tokenizer)."""
@@ -133,7 +158,7 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
         loop.close()  # after uvicorn has drained the requests in flight
 
     app = FastAPI(title="gptmini", lifespan=lifespan)
-    app.state.loop = loop
+    app.state.loop, app.state.drain_until = loop, math.inf
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -230,10 +255,9 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
             if await request.is_disconnected():
                 cancel(job)
                 return  # (nobody reads the answer)
-            if time.monotonic() > deadline:
+            if error := overdue(app, deadline, timeout):
                 cancel(job)
-                raise APIError(504, f"the request took longer than {timeout:g} s",
-                               kind="timeout_error")
+                raise error
             await ticker.next(0.05)
 
     def cancel(job: Job) -> None:
@@ -291,9 +315,8 @@ def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | No
                     if done:
                         yield chunk(i, "", finish_reason(r))
                         reported[i] = True
-                if time.monotonic() > deadline:  # (a disconnect cancels this generator)
-                    yield event(APIError(504, f"the request took longer than {timeout:g} s",
-                                         kind="timeout_error").body())
+                if error := overdue(app, deadline, timeout):  # (a disconnect cancels this)
+                    yield event(error.body())
                     return
                 if not all(reported):
                     await ticker.next(0.05)
