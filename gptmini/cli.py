@@ -273,7 +273,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="longest text the page's attention endpoint takes (memory: "
                              "layers x heads x tokens^2 weights)")
     parser.add_argument("--drain", type=float, default=30.0,
-                        help="seconds to finish the requests in flight on SIGTERM or Ctrl-C")
+                        help="seconds to finish the requests in flight on SIGTERM or Ctrl-C; "
+                             "those still running then are answered 503")
     _add_device_options(parser)
     return parser
 
@@ -300,7 +301,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra is installed)
 
         from gptmini.page import checkpoint_panel
         from gptmini.server import create_app
@@ -329,6 +330,23 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                      attention_tokens=args.attention_tokens)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions); "
           f"the page: http://{args.host}:{args.port}/", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain,
-                log_level="warning")
-    return 0
+    return _serve_draining(app, args.host, args.port, args.drain)
+
+
+def _serve_draining(app, host: str, port: int, drain: float) -> int:
+    """uvicorn.run, but a shutdown first tells the app its drain time (server.drain), so that
+    requests still running after `drain` seconds are answered 503; uvicorn waits one second
+    more for those answers before it drops connections."""
+    import uvicorn
+
+    from gptmini.server import drain as begin_drain
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            begin_drain(app, drain)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=drain + 1))
+    server.run()
+    return 0 if server.started else 3  # (uvicorn.run's exit status for a failed start)

@@ -11,7 +11,8 @@ scope: a base model has no chat template. Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters, malformed
 JSON or a call asking more completions (prompts x n) than the server holds, 401 for a
 missing or wrong key, 404 for an unknown model or path, 429 when too many completions are
-in flight, 504 when a request outlives its timeout. The command line, `serve.py`, is
+in flight, 503 for the requests still running when a shutdown's drain time is over
+(`drain`), 504 when a request outlives its timeout. The command line, `serve.py`, is
 `gptmini.cli.serve_main`.
 
 The routes are plain functions on a module-level `router`; what they share (the engine,
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,8 +43,8 @@ from gptmini.page import router as page_router
 from gptmini.sampling import SamplingParams
 from gptmini.tokenizer import encode_prompt
 
-__all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app", "parse",
-           "router"]
+__all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app", "drain",
+           "parse", "router"]
 
 API_NAMES = {"max_new_tokens": "max_tokens"}
 """SamplingParams fields whose request field has another name (`SamplingError.field`)."""
@@ -82,6 +84,20 @@ class ServerState:
     ticker: Ticker = field(default_factory=Ticker)
     jobs: set = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
+    drain_until: float = math.inf
+    """When a shutdown's drain time ends (`drain`); the requests still running then get 503."""
+
+    def overdue(self, deadline: float) -> APIError | None:
+        """The APIError that ends a request now: past a shutdown's drain, or past its own
+        deadline (--timeout); None while it may go on."""
+        now = time.monotonic()
+        if now > self.drain_until:
+            return APIError(503, "the server is shutting down and its drain time (serve.py "
+                            "--drain) is over; send the request again", kind="server_error")
+        if now > deadline:
+            return APIError(504, f"the request took longer than {self.timeout:g} s",
+                            kind="timeout_error")
+        return None
 
     def authorize(self, request: HTTPRequest) -> None:
         """Raise a 401 unless the call carries the key (when the server has one)."""
@@ -226,10 +242,9 @@ async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
         if await request.is_disconnected():
             cancel(state, job)
             return  # (nobody reads the answer)
-        if time.monotonic() > deadline:
+        if error := state.overdue(deadline):
             cancel(state, job)
-            raise APIError(504, f"the request took longer than {state.timeout:g} s",
-                           kind="timeout_error")
+            raise error
         await state.ticker.next(0.05)
 
 
@@ -316,9 +331,8 @@ async def stream(state: ServerState, job: Job, settings: dict):
                 if done:
                     yield chunk(i, "", finish_reason(r), ready_tokens(job, r))
                     reported[i] = True
-            if time.monotonic() > deadline:  # (a disconnect cancels this generator)
-                yield event(APIError(504, f"the request took longer than {state.timeout:g} s",
-                                     kind="timeout_error").body())
+            if error := state.overdue(deadline):  # (a disconnect cancels this generator)
+                yield event(error.body())
                 return
             if not all(reported):
                 await state.ticker.next(0.05)
@@ -358,6 +372,12 @@ async def lifespan(app: FastAPI):
     yield
     state.loop.on_step = lambda: None
     state.loop.close()  # after uvicorn has drained the requests in flight
+
+
+def drain(app: FastAPI, seconds: float) -> None:
+    """Begin a shutdown: the requests in flight go on for `seconds`, then each still running
+    is answered 503 (a stream: an error event) instead of having its connection dropped."""
+    app.state.server.drain_until = time.monotonic() + seconds
 
 
 def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,

@@ -306,3 +306,23 @@ def test_a_step_runs_the_model_once_and_samples_once(model, monkeypatch):
     finally:
         hook.remove()
     assert steps == 7
+
+
+def test_requests_past_the_context_take_turns_at_a_budget_too_small_for_all(model):
+    """Past the context every token recomputes context_length tokens. With a budget of two
+    such recomputes a step (and 40 tokens more: a partial one), eight sliding requests each
+    gain a token every few steps; none waits for the oldest to finish (issue 29: the oldest
+    took the whole budget at every step, and each partial recompute was thrown away)."""
+    engine = Engine(model, block_size=4, max_step_tokens=2 * CONTEXT + 40)
+    prompts = [[7 + i, 11, 13] for i in range(8)]
+    requests = [engine.add_request(p, max_new_tokens=CONTEXT + 40) for p in prompts]
+    longest_wait, waited = 0, [0] * 8
+    while engine.has_work:
+        before = [len(r.tokens) for r in requests]
+        engine.step()
+        for i, r in enumerate(requests):
+            waited[i] = 0 if r.done or len(r.tokens) > before[i] else waited[i] + 1
+        longest_wait = max(longest_wait, *waited)
+    assert longest_wait <= 3  # 8 recomputes of 48 tokens at 136 a step: a turn in 3 steps
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.tokens == alone(model, prompt, CONTEXT + 40)

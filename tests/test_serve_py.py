@@ -142,6 +142,94 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
     assert texts == [alone[i].text for i in seeds]
 
 
+@pytest.mark.slow
+def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
+    """Issue 29 as reported: 8 concurrent sampled calls (no seed, max_tokens 3000, half of
+    them streamed) whose 120-token prompts fill most of a context of 128, so that nearly
+    every token is a recompute of the whole context, and that end at <|endoftext|> after
+    about 170 tokens; SIGTERM 0.3 s after they are sent. With --drain 60 every call ends on its own
+    (before: requests past the context took turns oldest first, so the youngest made no
+    progress until the oldest ended and were dropped at the drain's end). With --drain 1,
+    on a model that never ends them, every call is answered 503 (a stream: an error event
+    instead of [DONE]) when the drain is over: no connection is dropped."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_checkpoint, tiny
+
+    torch.manual_seed(0)
+    endless_model = GPTModel(tiny(context_length=128)).eval()
+    ending = GPTModel(tiny(context_length=128)).eval()
+    with torch.no_grad():  # a near-constant last hidden state: <|endoftext|> at ~1/170
+        ending.final_norm.weight.fill_(0.1)
+        ending.final_norm.bias.fill_(1.0)
+        ending.out_head.weight[50256] = 0.24
+    root = Path(__file__).resolve().parents[1]
+    servers = {}
+    for name, model, drain in (("ends", ending, 60), ("endless", endless_model, 1)):
+        checkpoint = save_checkpoint(model, tmp_path / f"{name}.ckpt")
+        port = _free_port()
+        servers[name] = (f"http://127.0.0.1:{port}", subprocess.Popen(
+            [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
+             "--drain", str(drain)], cwd=root, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+
+    def call(url: str, stream: bool) -> tuple[int, str, int | None]:
+        """(HTTP status, finish_reason or the error's message, completion tokens)"""
+        body = {"prompt": [15496] * 120, "max_tokens": 3000, "temperature": 0.7, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}
+        if not stream:
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            if answer.status_code != 200:
+                return answer.status_code, answer.json()["error"]["message"], None
+            found = answer.json()
+            return 200, found["choices"][0]["finish_reason"], found["usage"]["completion_tokens"]
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+            lines = [line for line in answer.iter_lines() if line]
+        if "error" in (last := json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else {}):
+            return answer.status_code, last["error"]["message"], None  # (an error event)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        reasons = [json.loads(line[6:])["choices"] for line in lines[:-2]]
+        return (200, [c[0]["finish_reason"] for c in reasons if c][-1],
+                json.loads(lines[-2][6:])["usage"]["completion_tokens"])
+
+    try:
+        for url, server in servers.values():
+            eventually(lambda: server.poll() is not None or _healthy(url), 60,  # noqa: B023
+                       "serve.py did not start")
+            assert server.poll() is None, server.communicate()[0]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = {name: [pool.submit(call, url, k % 2 == 0) for k in range(8)]
+                       for name, (url, _) in servers.items()}
+            time.sleep(0.3)
+            for _, server in servers.values():
+                server.send_signal(signal.SIGTERM)
+            answers = {name: [f.result(timeout=120) for f in fs] for name, fs in futures.items()}
+        for _, server in servers.values():
+            assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        logs = {}
+        for name, (_, server) in servers.items():
+            server.kill()
+            logs[name] = server.communicate()[0]
+    assert all("Cancel" not in log for log in logs.values()), logs
+    assert all(status == 200 and reason == "stop" for status, reason, _ in answers["ends"]), answers
+    assert sum(tokens > 8 for _, _, tokens in answers["ends"]) >= 4, answers  # slid
+    assert [status for status, _, _ in answers["endless"]] == [200, 503] * 4  # (events)
+    assert all("shutting down" in message and "--drain" in message
+               for _, message, _ in answers["endless"]), answers
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health").status_code == 200

@@ -32,6 +32,9 @@ class Request:
     """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
     num_cached: int = 0
     """Tokens from `start` whose keys and values are in the blocks."""
+    sampled_at: int = -1
+    """The scheduler's step at which it last sampled a token (-1: never): prefills go least
+    recently served first."""
     decoding: bool = False
     """Its prompt is computed and it adds one token a step (until preempted or slid)."""
     events: queue.Queue = field(default_factory=queue.Queue, repr=False)

@@ -17,7 +17,11 @@ more, and when none is free the youngest running request is *preempted*: its blo
 tokens so far again when readmitted (the cached blocks make that cheap).
 
 A request that outgrows `context_length` slides exactly as `generate()` does: its blocks go
-back and it recomputes its last `context_length` tokens, from then on at every token.
+back and it recomputes its last `context_length` tokens, from then on at every token. Such
+recomputes are prefills, and prefills go least recently served first (a new prompt before
+any request that has sampled, then the one that sampled longest ago): when more requests
+slide than one budget can recompute, they take turns instead of the oldest taking the whole
+budget at every step while the others wait for them to finish.
 """
 
 import math
@@ -64,16 +68,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps = 0
 
     def schedule(self) -> list[Chunk]:
         """The chunks of this step: decodes first, then prefills within the budget."""
-        for request in [r for r in self.running if len(r.all_tokens) > self.context]:
+        self.num_steps += 1
+        for request in [r for r in self.running if r.num_tokens > self.context]:
             self._requeue(request)  # past the context: recompute the last context_length
         self._admit()
         decoding = self._reserve([r for r in self.running if r.pending == 1])
         chunks = [Chunk(r, 1) for r in decoding]
         budget = self.max_step_tokens - len(chunks)
-        for request in sorted(self.running, key=lambda r: r.id):  # oldest prefill first
+        for request in sorted(self.running, key=lambda r: (r.sampled_at, r.id)):
             if request.pending > 1 and budget > 0:
                 chunks.append(Chunk(request, min(request.pending, budget)))
                 budget -= chunks[-1].num_new
@@ -83,6 +89,8 @@ class Scheduler:
         """After the model ran `chunks`: their tokens are in the blocks."""
         for chunk in chunks:
             request = chunk.request
+            if chunk.samples:
+                request.sampled_at = self.num_steps
             request.num_cached += chunk.num_new
             self._name_full_blocks(request)
             self._drop_blocks_behind_window(request)
