@@ -167,8 +167,14 @@ def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, tota
     The restored optimizer and schedule would otherwise keep the old learning rates, weight
     decay and betas. The schedule is a function of the step, so it continues from the step
     reached as the new settings draw it. Returns the changed fields (printed if `announce`).
+    Another optimizer than the checkpoint's is refused (ValueError).
     """
     saved, hp = checkpoint.get("hyper_parameters", {}), hparams
+    if saved.get("optimizer", "adamw") != hp.optimizer:  # its state has other groups
+        raise ValueError(
+            f"the checkpoint was trained with --model.optimizer {saved.get('optimizer', 'adamw')}"
+            f" and this run asks for {hp.optimizer}; resume with "
+            f"--model.optimizer {saved.get('optimizer', 'adamw')}, or start a new --run_name")
     changed = [f for f in OPTIMIZATION_FIELDS if f in saved and saved[f] != hp[f]]
     if not changed:
         return changed

@@ -132,10 +132,11 @@ def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
                              asked_warmup=2)
     for batch in batches[:3]:
         backward(model, batch), optimizer.step(), schedule.step()
-    checkpoint = {"hyper_parameters": {"muon_learning_rate": 5e-3, "learning_rate": 3e-3},
+    checkpoint = {"hyper_parameters": {"optimizer": "muon", "muon_learning_rate": 5e-3,
+                                       "learning_rate": 3e-3},
                   "optimizer_states": [optimizer.state_dict()],
                   "lr_schedulers": [schedule.state_dict()]}
-    hp = Hparams(learning_rate=3e-3, muon_learning_rate=1e-2, min_lr_ratio=0.1,
+    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2, min_lr_ratio=0.1,
                  weight_decay=0.1, beta1=0.9, beta2=0.95)
     changed = apply_changed_settings(checkpoint, hp, warmup_steps=2, total_steps=10,
                                      announce=False)
@@ -145,6 +146,14 @@ def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
         [3e-3 * factor, 3e-3 * factor, 1e-2 * factor])
     assert checkpoint["lr_schedulers"][0]["base_lrs"] == [3e-3, 3e-3, 1e-2]
+
+
+def test_resuming_with_another_optimizer_is_refused_naming_the_checkpoints():
+    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2)
+    with pytest.raises(ValueError, match="trained with --model.optimizer adamw and this run "
+                                         "asks for muon; resume with --model.optimizer adamw"):
+        apply_changed_settings({"hyper_parameters": {"learning_rate": 3e-3}}, hp,
+                               warmup_steps=2, total_steps=10, announce=False)
 
 
 def test_a_torch_without_muon_is_named_with_the_version_that_has_it(monkeypatch):
