@@ -113,7 +113,7 @@ class GPTLitModule(L.LightningModule):
         pretrained = load_hf(directory)
         theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
         shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
-                        "qkv_bias", "tie_weights")
+                        "qkv_bias", "tie_weights", "position", "norm", "mlp", "qk_norm", "bias")
         differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
         if ours.context_length > theirs.context_length:
             differ.append("context_length")
