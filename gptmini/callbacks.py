@@ -14,8 +14,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
-from gptmini.lit_module import GPTLitModule, StepWatch, rng_states, set_rng_states
+from gptmini.lit_module import GPTLitModule, StepWatch
 from gptmini.plots import attention_weights, plot_attention, require_matplotlib
+from gptmini.rng import rng_states, set_rng_states
 from gptmini.tokenizer import encode_prompt
 
 

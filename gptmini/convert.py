@@ -245,7 +245,7 @@ def to_hf_state_dict(model: GPTModel) -> dict[str, Tensor]:
 def load_hf(directory: str | Path) -> GPTModel:
     """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2 or Llama directory."""
     hf_config, state = read_hf_weights(directory)
-    if hf_config.get("model_type") == "llama":
+    if hf_config.get("model_type") in ("llama", "qwen3"):
         from gptmini.llama import from_llama_state_dict
 
         return from_llama_state_dict(state, hf_config)

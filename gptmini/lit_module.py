@@ -1,7 +1,6 @@
-"""The LightningModule that trains `GPTModel`: one shared step, AdamW, warmup + cosine."""
+"""The LightningModule that trains `GPTModel`: one shared step, AdamW or Muon, warmup + cosine."""
 
 import math
-import random
 import time
 import warnings
 
@@ -13,7 +12,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from gptmini.checkpoint import model_config, write_model_entries
 from gptmini.flops import flops_per_token, peak_flops_of
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.optim import adamw, apply_changed_settings, warmup_cosine
+from gptmini.optim import apply_changed_settings, check_optimizer, make_optimizer, warmup_cosine
+from gptmini.rng import rng_states, set_rng_states
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
 
 
@@ -23,6 +23,8 @@ class GPTLitModule(L.LightningModule):
         tokenizer: str = "gpt2",
         init_from: str | None = None,
         learning_rate: float = 1e-3,
+        optimizer: str = "adamw",
+        muon_learning_rate: float = 2e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 60,
         weight_decay: float = 0.1,
@@ -44,7 +46,11 @@ class GPTLitModule(L.LightningModule):
                 weights start a new run, for fine-tuning; the model settings must match
                 its config.json, except that a shorter context_length keeps the first
                 context_length position embeddings. Ignored when resuming a checkpoint.
-            learning_rate: Peak learning rate, reached after warmup.
+            learning_rate: Peak learning rate, reached after warmup (AdamW's).
+            optimizer: "adamw" for every weight, or "muon": torch.optim.Muon (torch >= 2.9)
+                for the blocks' matrices, AdamW for embeddings, head, norms and biases.
+            muon_learning_rate: Muon's peak rate, scaled per matrix by 0.2 * sqrt(max(rows,
+                cols)) to match AdamW's update size; same warmup and decay.
             min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
             warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
             weight_decay: AdamW weight decay, on matrices and embeddings only.
@@ -66,6 +72,8 @@ class GPTLitModule(L.LightningModule):
         _check_range("warmup_steps", warmup_steps, 0, math.inf)
         _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
         _check_range("weight_decay", weight_decay, 0.0, math.inf)
+        _check_range("muon_learning_rate", muon_learning_rate, 1e-12, math.inf)
+        check_optimizer(optimizer)  # a torch without Muon fails here, before any data is read
         self.tokenizer = get_tokenizer(tokenizer)
         """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
         self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
@@ -105,7 +113,7 @@ class GPTLitModule(L.LightningModule):
         pretrained = load_hf(directory)
         theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
         shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
-                        "qkv_bias", "tie_weights")
+                        "qkv_bias", "tie_weights", "position", "norm", "mlp", "qk_norm", "bias")
         differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
         if ours.context_length > theirs.context_length:
             differ.append("context_length")
@@ -317,9 +325,12 @@ class GPTLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = adamw(self.parameters(), learning_rate=hp.learning_rate,
-                          weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
-                          device=self.device)
+        sharded = hp.optimizer == "muon" and isinstance(self.trainer.strategy.model,
+                                                        FullyShardedDataParallel)
+        optimizer = make_optimizer(self.model, hp.optimizer, learning_rate=hp.learning_rate,
+                                   muon_learning_rate=hp.muon_learning_rate,
+                                   weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
+                                   device=self.device, sharded=sharded)
         schedule = warmup_cosine(optimizer, warmup_steps=self._warmup_steps(),
                                  total_steps=self._total_steps(), min_ratio=hp.min_lr_ratio,
                                  asked_warmup=hp.warmup_steps)
@@ -348,21 +359,6 @@ class GPTLitModule(L.LightningModule):
         return min(self.hparams.warmup_steps, self._total_steps())
 
 
-def rng_states() -> dict:
-    """This process's random generators: torch (CPU, and CUDA when present) and Python's."""
-    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(_as_tuples(states["python"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 class StepWatch:
     """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
 
@@ -387,11 +383,6 @@ class StepWatch:
         moved = step != seen and step > 0
         self.since_step = 0 if moved else self.since_step + 1
         return moved
-
-
-def _as_tuples(value):
-    """random.setstate wants the tuples that a checkpoint round trip may turn into lists."""
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 def _check_range(name: str, value: float, low: float, high: float):

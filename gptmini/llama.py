@@ -1,4 +1,4 @@
-"""Llama's Hugging Face layout to and from `GPTModel`.
+"""Llama's Hugging Face layout to and from `GPTModel` (and Qwen3's: Llama's with QK-norm).
 
 RoPE + RMSNorm + SwiGLU + no biases + an untied head (+ grouped-query attention) is Llama's
 architecture: a `GPTConfig` with those options is one, and its weights map one to one onto
@@ -39,13 +39,21 @@ TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: ever
     ("final_norm.weight", "model.norm.weight"),
     ("out_head.weight", "lm_head.weight"),
 ]
+QK_NORM_TABLE: list[tuple[str, str]] = [  # Qwen3's additions: RMSNorm of each head's q, k
+    ("trf_blocks.{i}.att.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("trf_blocks.{i}.att.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+]
+QK_NORM_EPS = 1e-6
+"""gptmini's QK-norm epsilon; Qwen3 uses its one rms_norm_eps there too, so a model exports
+as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
          "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None}
-"""The GPTConfig options that make a model Llama's architecture."""
+"""The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
 
 
-def _expand(n_layers: int) -> list[tuple[str, str]]:
-    return [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in TABLE
+def _expand(n_layers: int, qk_norm: bool = False) -> list[tuple[str, str]]:
+    table = TABLE + (QK_NORM_TABLE if qk_norm else [])
+    return [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in table
             for i in (range(n_layers) if "{i}" in ours else [0])]
 
 
@@ -70,6 +78,12 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
                         "plain rotary positions)")
     if c.get("head_dim", c["hidden_size"] // heads) != c["hidden_size"] // heads:
         problems.append(f"head_dim={c['head_dim']} (gptmini's is hidden_size / heads)")
+    qk_norm = c.get("model_type") == "qwen3"
+    if qk_norm and c.get("rms_norm_eps", QK_NORM_EPS) != QK_NORM_EPS:
+        problems.append(f"rms_norm_eps={c['rms_norm_eps']} with QK-norm (gptmini's QK-norm "
+                        f"uses {QK_NORM_EPS})")
+    if qk_norm and c.get("use_sliding_window"):
+        problems.append("use_sliding_window (gptmini's windows are not Qwen3's per layer)")
     if problems:
         raise ValueError("this Llama config cannot be loaded into GPTModel: "
                          + "; ".join(problems))
@@ -80,22 +94,33 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
         drop_rate=0.0, n_kv_heads=None if kv_heads == heads else kv_heads,
         tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=float(theta),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)), mlp_hidden_dim=c["intermediate_size"],
-        **{k: v for k, v in LLAMA.items() if k not in ("qk_norm", "attn_softcap")},
+        qk_norm=qk_norm, **{k: v for k, v in LLAMA.items() if k not in ("qk_norm",
+                                                                          "attn_softcap")},
     )
 
 
 def config_to_llama(cfg: GPTConfig) -> dict:
-    """A `config.json` dict that `transformers.LlamaConfig` reads as `cfg`.
+    """A `config.json` dict that `transformers.LlamaConfig` reads as `cfg` (with qk_norm,
+    one that `Qwen3Config` reads).
 
     Raises:
         ValueError: `cfg` is not Llama's architecture (the options it lacks are named).
     """
-    differ = [f"{k}={getattr(cfg, k)!r}" for k, v in LLAMA.items() if getattr(cfg, k) != v]
+    differ = [f"{k}={getattr(cfg, k)!r}" for k, v in LLAMA.items()
+              if getattr(cfg, k) != v and k != "qk_norm"]
     if differ:
         raise ValueError(
-            "Llama's layout is rotary positions, RMSNorm, SwiGLU, no biases, no QK-norm, no "
-            f"soft-cap and full attention; this model has {', '.join(differ)}. Export it with "
-            + ", ".join(f"{k}={v!r}" for k, v in LLAMA.items()))
+            "Llama's layout is rotary positions, RMSNorm, SwiGLU, no biases, no soft-cap and "
+            f"full attention (Qwen3's adds QK-norm); this model has {', '.join(differ)}. "
+            "Export it with " + ", ".join(f"{k}={v!r}" for k, v in LLAMA.items()
+                                          if k != "qk_norm"))
+    if cfg.qk_norm and cfg.norm_eps != QK_NORM_EPS:
+        raise ValueError(
+            f"Qwen3's layout (Llama's with QK-norm) has one rms_norm_eps, and gptmini's QK-norm "
+            f"uses {QK_NORM_EPS}; this model has norm_eps={cfg.norm_eps}. Train with "
+            f"--model.norm_eps {QK_NORM_EPS} to export it")
+    qwen = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+            "use_sliding_window": False}
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -116,6 +141,7 @@ def config_to_llama(cfg: GPTConfig) -> dict:
         "tie_word_embeddings": cfg.tie_weights,
         "initializer_range": 0.02,
         "use_cache": True,
+        **(qwen if cfg.qk_norm else {}),
     }
 
 
@@ -125,7 +151,7 @@ def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) 
 
     cfg = config_from_llama(hf_config)
     ours, seen = {}, set()
-    for name, hf_name in _expand(cfg.n_layers):
+    for name, hf_name in _expand(cfg.n_layers, cfg.qk_norm):
         if name == "out_head.weight" and cfg.tie_weights:
             continue
         if hf_name not in state_dict:
@@ -143,7 +169,7 @@ def to_llama_state_dict(model: GPTModel) -> dict[str, Tensor]:
     config_to_llama(model.cfg)  # raises for what Llama's layout cannot hold
     ours = model.state_dict()
     return {hf_name: ours[name].detach().clone().contiguous()
-            for name, hf_name in _expand(model.cfg.n_layers)
+            for name, hf_name in _expand(model.cfg.n_layers, model.cfg.qk_norm)
             if not (name == "out_head.weight" and model.cfg.tie_weights)}
 
 

@@ -2,6 +2,7 @@
 own LlamaForCausalLM, logits within 1e-5 in float32 and identical greedy tokens."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,3 +106,30 @@ def test_what_gptmini_cannot_load_is_named(tmp_path):
     with pytest.raises(ValueError, match="tiktoken, which represents byte-level BPE.*a Unigram "
                                          "model.*SentencePiece vocabularies such as Llama 2's"):
         load_checkpoint(tmp_path)
+
+
+def test_qk_norm_exports_as_qwen3_and_a_transformers_qwen3_loads_back(tmp_path):
+    """Qwen3 is Llama's layout with RMSNorm on each head's queries and keys before the
+    rotation, as gptmini's qk_norm; transformers' own Qwen3 is the oracle both ways."""
+    cfg = GPTConfig(vocab_size=257, context_length=64, emb_dim=32, n_heads=4, n_layers=2,
+                    drop_rate=0.0, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                    qk_norm=True, norm_eps=1e-6, tie_weights=True, rope_theta=1000.0)
+    torch.manual_seed(2)
+    ours = GPTModel(cfg).eval()
+    with torch.no_grad():  # random QK-norm gains, so unexported ones cannot pass unseen
+        for block in ours.trf_blocks:
+            block.att.q_norm.weight.uniform_(0.5, 1.5)
+            block.att.k_norm.weight.uniform_(0.5, 1.5)
+    export_hf(ours, tmp_path / "qwen3")
+    assert json.loads((tmp_path / "qwen3" / "config.json").read_text())["model_type"] == "qwen3"
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    ids = torch.randint(0, 257, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+    hf.save_pretrained(tmp_path / "saved")
+    back = load_hf(tmp_path / "saved")
+    assert back.cfg.qk_norm and back.cfg.tie_weights
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), ours(ids), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_eps=1e-05. Train with --model.norm_eps 1e-06"):
+        export_hf(GPTModel(replace(cfg, norm_eps=1e-5)), tmp_path / "other")

@@ -242,5 +242,7 @@ def test_a_modern_model_is_not_exported_to_gpt2s_layout(tiny_config, tmp_path):
     with pytest.raises(ValueError, match="position='rope', norm='rmsnorm', mlp='relu2', "
                                          "qk_norm=True, bias=False.*book's options"):
         export_hf(model, tmp_path / "hf")
-    with pytest.raises(ValueError, match="Llama's layout.*this model has qk_norm=True"):
-        export_hf(GPTModel(modern(tiny_config)), tmp_path / "llama")
+    with pytest.raises(ValueError, match="Qwen3's layout.*this model has norm_eps=1e-05"):
+        export_hf(GPTModel(modern(tiny_config)), tmp_path / "qwen3")  # QK-norm: Qwen3's eps
+    with pytest.raises(ValueError, match="Llama's layout.*this model has attn_softcap=30"):
+        export_hf(GPTModel(modern(tiny_config, attn_softcap=30.0)), tmp_path / "llama")

@@ -120,6 +120,8 @@ def build(tmp_path, corpus, name, *extra, resume=False, callbacks=()):
 SCENARIOS = {
     "workers": ["--data.num_workers", "2", "--trainer.max_steps", "16"],
     "accumulation": ["--trainer.accumulate_grad_batches", "2", "--trainer.max_steps", "10"],
+    "muon, accumulation": ["--model.optimizer", "muon", "--trainer.accumulate_grad_batches",
+                           "2", "--trainer.max_steps", "10"],
 }
 
 
@@ -282,16 +284,19 @@ DDP_RUN = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path, optimizer):
     """Before: only rank 0's random state was saved and restored on every rank, so with
-    dropout 3 steps + resume + 3 steps differed from 6 straight."""
+    dropout 3 steps + resume + 3 steps differed from 6 straight. Muon orthogonalizes the
+    all-reduced gradient: both ranks hold the same weights."""
     corpus = tmp_path / "numbers.txt"
     corpus.write_text(" ".join(str(i) for i in range(3000)))
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_RUN)
     base = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.devices", "2",
                      "--trainer.strategy", "ddp", "--model.drop_rate", "0.1",
-                     "--checkpoint_every", "100", "--data.stride", "4")
+                     "--checkpoint_every", "100", "--data.stride", "4",
+                     "--model.optimizer", optimizer)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29541"}
 
     def run(mode, *extra):
@@ -308,6 +313,7 @@ def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path):
     for rank in (0, 1):
         assert resumed[rank]["step"] == 6
         assert_same_weights(straight[rank]["weights"], resumed[rank]["weights"])
+    assert_same_weights(resumed[0]["weights"], resumed[1]["weights"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,181 @@
+"""The optimizers: Muon for the hidden matrices beside AdamW, as one optimizer, against
+torch's two optimizers stepped separately; its checkpoints, schedule and errors."""
+
+import copy
+import io
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import make_model
+
+from gptmini.lit_module import GPTLitModule
+from gptmini.optim import (
+    MuonAdamW,
+    apply_changed_settings,
+    lr_factor,
+    make_optimizer,
+    muon_adamw,
+    warmup_cosine,
+)
+
+RATES = dict(learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1, betas=(0.9, 0.95))
+CPU = torch.device("cpu")
+
+
+class Hparams(dict):
+    """Lightning's hparams: a dict whose keys are attributes too."""
+
+    __getattr__ = dict.__getitem__
+
+
+def model_and_batches(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = make_model(qkv_bias=True, **overrides).train()
+    batches = [torch.randint(0, 64, (2, 9)) for _ in range(4)]
+    return model, batches
+
+
+def backward(model, batch):
+    model(batch[:, :-1], targets=batch[:, 1:]).backward()
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_everything_else():
+    model, _ = model_and_batches(tie_weights=False)
+    optimizer = muon_adamw(model, **RATES, device=CPU)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for p in optimizer.muon.param_groups[0]["params"]}
+    # written out from the model's layout, not from the rule in optim.py
+    want = {f"trf_blocks.{i}.{w}.weight" for i in range(2) for w in (
+        "att.W_query", "att.W_key", "att.W_value", "att.out_proj", "ff.layers.0", "ff.layers.2")}
+    assert muon == want
+    decayed, plain = ({names[id(p)] for p in g["params"]} for g in optimizer.adamw.param_groups)
+    assert decayed == {"tok_emb.weight", "pos_emb.weight", "out_head.weight"}
+    assert plain == set(names.values()) - want - decayed
+    assert all("norm" in n or n.endswith("bias") for n in plain)
+
+
+def test_one_optimizer_steps_as_torchs_muon_and_adamw_stepped_apart():
+    """The oracle is torch's documented use: two optimizers, each stepped, with the rates a
+    warmup/cosine schedule gives (each from its own base)."""
+    model, batches = model_and_batches()
+    twin = copy.deepcopy(model)
+    ours = muon_adamw(model, **RATES, device=CPU)
+    schedule = warmup_cosine(ours, warmup_steps=2, total_steps=4, min_ratio=0.1,
+                             asked_warmup=2)
+    hidden = [p for p in twin.trf_blocks.parameters() if p.dim() == 2]
+    rest = [p for p in twin.parameters() if all(p is not h for h in hidden)]
+    muon = torch.optim.Muon(hidden, lr=RATES["muon_learning_rate"], weight_decay=0.1,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2]},
+                               {"params": [p for p in rest if p.dim() < 2],
+                                "weight_decay": 0.0}],
+                              lr=RATES["learning_rate"], betas=(0.9, 0.95), weight_decay=0.1)
+    for step, batch in enumerate(batches):
+        for m in (model, twin):
+            backward(m, batch)
+        factor = lr_factor(step, 2, 4, 0.1)
+        for opt, base in ((muon, RATES["muon_learning_rate"]), (adamw, RATES["learning_rate"])):
+            for group in opt.param_groups:
+                group["lr"] = base * factor
+        ours.step(), muon.step(), adamw.step(), schedule.step()
+        for opt in (ours, muon, adamw):
+            opt.zero_grad()
+    for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert ours.param_groups[-1]["lr"] == pytest.approx(5e-3 * lr_factor(4, 2, 4, 0.1))
+
+
+def test_a_saved_and_loaded_state_continues_exactly():
+    model, batches = model_and_batches()
+    optimizer = muon_adamw(model, **RATES, device=CPU)
+    for batch in batches[:2]:
+        backward(model, batch), optimizer.step(), optimizer.zero_grad()
+    copied = copy.deepcopy(model)
+    loaded = muon_adamw(copied, **RATES, device=CPU)
+    saved = io.BytesIO()  # a checkpoint's round trip (in memory, both would share tensors)
+    torch.save(optimizer.state_dict(), saved)
+    loaded.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert set(optimizer.state_dict()["state"]) == set(range(len(list(model.parameters()))))
+    for m, opt in ((model, optimizer), (copied, loaded)):
+        for batch in batches[2:]:
+            backward(m, batch), opt.step(), opt.zero_grad()
+    for got, want in zip(copied.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_non_finite_muon_step_never_updates_the_weights():
+    module = GPTLitModule(context_length=16, emb_dim=16, n_heads=2, n_layers=2, drop_rate=0.0,
+                          peak_flops=1e9, optimizer="muon")
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module),
+                                     precision="32-true", global_step=3)
+    module.log = lambda *args, **kwargs: None
+    module._reset_skip_counters()
+    optimizer = make_optimizer(module.model, "muon", **RATES, device=CPU)
+    backward(module.model, torch.randint(0, 50257, (2, 9)))
+    module.model.trf_blocks[1].ff.layers[0].weight.grad[0, 0] = math.inf
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module.configure_gradient_clipping(optimizer, 1.0, gradient_clip_algorithm="norm")
+    optimizer.step()
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert not optimizer.state  # no moment, no momentum buffer, no step count
+    with pytest.raises(FloatingPointError, match="not finite at step 3"):
+        module._raise_if_steps_were_skipped()
+
+
+def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
+    model, batches = model_and_batches()
+    optimizer = muon_adamw(model, **RATES, device=CPU)
+    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1,
+                             asked_warmup=2)
+    for batch in batches[:3]:
+        backward(model, batch), optimizer.step(), schedule.step()
+    checkpoint = {"hyper_parameters": {"optimizer": "muon", "muon_learning_rate": 5e-3,
+                                       "learning_rate": 3e-3},
+                  "optimizer_states": [optimizer.state_dict()],
+                  "lr_schedulers": [schedule.state_dict()]}
+    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2, min_lr_ratio=0.1,
+                 weight_decay=0.1, beta1=0.9, beta2=0.95)
+    changed = apply_changed_settings(checkpoint, hp, warmup_steps=2, total_steps=10,
+                                     announce=False)
+    assert changed == ["muon_learning_rate"]
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    factor = lr_factor(3, 2, 10, 0.1)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
+        [3e-3 * factor, 3e-3 * factor, 1e-2 * factor])
+    assert checkpoint["lr_schedulers"][0]["base_lrs"] == [3e-3, 3e-3, 1e-2]
+
+
+def test_resuming_with_another_optimizer_is_refused_naming_the_checkpoints():
+    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2)
+    with pytest.raises(ValueError, match="trained with --model.optimizer adamw and this run "
+                                         "asks for muon; resume with --model.optimizer adamw"):
+        apply_changed_settings({"hyper_parameters": {"learning_rate": 3e-3}}, hp,
+                               warmup_steps=2, total_steps=10, announce=False)
+
+
+def test_a_torch_without_muon_is_named_with_the_version_that_has_it(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ValueError, match=rf"torch 2\.9 first ships; this is torch "
+                                         rf"{re.escape(torch.__version__)}.*optimizer adamw"):
+        GPTLitModule(context_length=16, emb_dim=16, n_heads=2, n_layers=2, optimizer="muon")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"name": "sgd"}, "model.optimizer='sgd': use one of adamw, muon"),
+    ({"name": "muon", "sharded": True}, "FSDP shards them: use --trainer.strategy ddp"),
+])
+def test_bad_optimizer_choices_name_the_setting_and_the_fix(kwargs, message):
+    model, _ = model_and_batches()
+    with pytest.raises(ValueError, match=message):
+        make_optimizer(model, **kwargs, **RATES, device=CPU)
+
+
+def test_muon_adamw_is_one_torch_optimizer():
+    model, _ = model_and_batches()
+    optimizer = muon_adamw(model, **RATES, device=CPU)
+    assert isinstance(optimizer, torch.optim.Optimizer) and isinstance(optimizer, MuonAdamW)
+    counted = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    assert counted == sum(p.numel() for p in model.parameters())
