@@ -203,6 +203,9 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             futures = {name: [pool.submit(call, url, k % 2 == 0) for k in range(8)]
                        for name, (url, _) in servers.items()}
+            for url, _ in servers.values():  # all 8 in flight (a busy CPU may take a while)
+                eventually(lambda: in_flight(url) == 8, 30,  # noqa: B023
+                           "the 8 calls did not all start")
             time.sleep(0.3)
             for _, server in servers.values():
                 server.send_signal(signal.SIGTERM)
@@ -228,6 +231,11 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def in_flight(url: str) -> int:
+    health = httpx.get(f"{url}/health").json()
+    return health["running"] + health["waiting"]
 
 
 def _healthy(url: str) -> bool:
