@@ -1,7 +1,10 @@
 """Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
 
 import csv
+import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +145,17 @@ def read_metrics(run: Path) -> list[dict]:
 
 def column(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
+
+def start_serve_py(checkpoint: Path, *flags: str, env: dict | None = None
+                   ) -> tuple[subprocess.Popen, str]:
+    """serve.py serving `checkpoint` in its own process on a free loopback port, as a user
+    starts it (its output, as text, in the process's stdout); the process and its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
+         *flags], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env)
+    return server, f"http://127.0.0.1:{port}"

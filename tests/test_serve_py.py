@@ -24,23 +24,12 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
     """serve.py as users run it: SIGTERM stops new connections, finishes the running stream
     to its [DONE], then exits."""
     import signal
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from helpers import save_checkpoint, tiny
+    from helpers import save_checkpoint, start_serve_py, tiny
 
     torch.manual_seed(0)
     checkpoint = save_checkpoint(GPTModel(tiny()).eval(), tmp_path / "tiny.ckpt")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
-                               "--port", str(port), "--dtype", "float32"], cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve_py(checkpoint, "--dtype", "float32")
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -77,12 +66,8 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
     the probability at every step), SIGTERM once all 8 run: every one is answered in full,
     with the text it gets undisturbed (seeded, float64), before serve.py exits."""
     import signal
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from helpers import save_checkpoint, tiny
+    from helpers import save_checkpoint, start_serve_py, tiny
 
     from gptmini.checkpoint import load_checkpoint
 
@@ -105,15 +90,7 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
     seeds = [i for i, r in enumerate(alone) if r.finish_reason == "stop"
              and 120 <= len(r.tokens)][:8]
     assert len(seeds) == 8
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint),
-                               "--port", str(port), "--dtype", "float64", "--drain", "60"],
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve_py(checkpoint, "--dtype", "float64", "--drain", "60")
     bodies = [{"prompt": f"Request {i}:", "max_tokens": 3000, "temperature": 0.7, "seed": i,
                "stream": k % 2 == 0} for k, i in enumerate(seeds)]
 
@@ -153,11 +130,8 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
     on a model that never ends them, every call is answered 503 (a stream: an error event
     instead of [DONE]) when the drain is over: no connection is dropped."""
     import signal
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from helpers import save_checkpoint, tiny
+    from helpers import save_checkpoint, start_serve_py, tiny
 
     torch.manual_seed(0)
     endless_model = GPTModel(tiny(context_length=128)).eval()
@@ -166,15 +140,11 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
         ending.final_norm.weight.fill_(0.1)
         ending.final_norm.bias.fill_(1.0)
         ending.out_head.weight[50256] = 0.24
-    root = Path(__file__).resolve().parents[1]
     servers = {}
     for name, model, drain in (("ends", ending, 60), ("endless", endless_model, 1)):
         checkpoint = save_checkpoint(model, tmp_path / f"{name}.ckpt")
-        port = _free_port()
-        servers[name] = (f"http://127.0.0.1:{port}", subprocess.Popen(
-            [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
-             "--drain", str(drain)], cwd=root, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
+        server, url = start_serve_py(checkpoint, "--drain", str(drain))
+        servers[name] = (url, server)
 
     def call(url: str, stream: bool) -> tuple[int, str, int | None]:
         """(HTTP status, finish_reason or the error's message, completion tokens)"""
@@ -223,14 +193,6 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
     assert [status for status, _, _ in answers["endless"]] == [200, 503] * 4  # (events)
     assert all("shutting down" in message and "--drain" in message
                for _, message, _ in answers["endless"]), answers
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def in_flight(url: str) -> int:

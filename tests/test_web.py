@@ -7,9 +7,6 @@ import base64
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +19,7 @@ playwright_api = pytest.importorskip("playwright.sync_api",
                                      reason="Playwright is missing: pip install playwright")
 
 import test_page  # noqa: E402
+from helpers import start_serve_py  # noqa: E402
 from test_page import ENC, KEY, WINDOW  # noqa: E402
 
 run, served = test_page.run, test_page.served  # the page's fixtures: a run and its server
@@ -167,15 +165,8 @@ def endless(tmp_path_factory):
 
 
 def test_a_server_that_stops_mid_stream_leaves_a_message(endless, page):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(endless),
-                               "--port", str(port), "--dtype", "float32"], cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve_py(endless, "--dtype", "float32",
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 60
         while True:
