@@ -19,10 +19,8 @@ import argparse
 import base64
 import gzip
 import json
-import multiprocessing
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -31,6 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from local_server import start_server
 from machine import cpu_description
 
 from gptmini.engine import Engine
@@ -114,21 +113,7 @@ def main():
     text = text_of(tokenizer, TOKENS)
     assert len(tokenizer.encode(text)) == TOKENS
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = multiprocessing.get_context("spawn").Process(target=serve, args=(port, path),
-                                                           daemon=True)
-    process.start()
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        try:
-            httpx.get(f"{url}/health").raise_for_status()
-            break
-        except httpx.TransportError:
-            if time.monotonic() > deadline or not process.is_alive():
-                raise SystemExit("the server did not start") from None
-            time.sleep(0.2)
+    process, url = start_server(serve, path)
 
     results = {}
     try:

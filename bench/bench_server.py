@@ -17,9 +17,7 @@ loop, streaming), not the core the clients took from it.
 import argparse
 import concurrent.futures
 import json
-import multiprocessing
 import os
-import socket
 import statistics
 import time
 
@@ -30,6 +28,7 @@ sleep_when_idle()  # as serve.py does, before torch loads OpenMP (the server pro
 import httpx  # noqa: E402
 import torch  # noqa: E402
 from bench_serving import SHAPES, workload  # noqa: E402
+from local_server import start_server  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 from gptmini.engine import Engine  # noqa: E402
@@ -52,12 +51,6 @@ def serve(port: int, max_batch: int, threads: int) -> None:
 
     uvicorn.run(create_app(build(max_batch), "bench"), host="127.0.0.1", port=port,
                 log_level="error")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def percentile(values, q):
@@ -91,20 +84,7 @@ def main():
     offline_rate = sum(len(r.tokens) for r in requests) / (time.perf_counter() - start)
     del offline, requests
 
-    port = free_port()
-    process = multiprocessing.get_context("spawn").Process(target=serve,
-                                                           args=(port, 64, args.threads),
-                                                           daemon=True)
-    process.start()
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        try:
-            httpx.get(f"{url}/health").raise_for_status()
-            break
-        except httpx.TransportError:
-            if time.monotonic() > deadline or not process.is_alive():
-                raise SystemExit("the server did not start") from None
-            time.sleep(0.2)
+    process, url = start_server(serve, 64, args.threads)
     url += "/v1/completions"
 
     def call(item):
