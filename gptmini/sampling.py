@@ -1,5 +1,5 @@
 """Sampling, in one place: the settings (`SamplingParams`), the sampler (`sample`), and the
-text of tokens as they come (`Detokenizer`).
+text of tokens as they come (`Detokenizer`, and `held_back`: what of it a stream may send).
 
 `generate()`, `generate_stream()`, the engine, the server and the command line all build
 one `SamplingParams`, which checks itself, and draw with `sample`, which takes a batch of
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["MAX_LOGPROBS", "Detokenizer", "SamplingParams", "TokenLogprobs", "sample",
-           "sample_next_token", "token_logprobs"]
+           "held_back", "sample_next_token", "token_logprobs"]
 
 MAX_LOGPROBS = 20
 """Most candidates per token `SamplingParams.logprobs` may ask (OpenAI's limit)."""
@@ -259,3 +259,14 @@ class Detokenizer:
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True
         return self.stopped
+
+
+def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
+    """Characters at the end of `text` a stream must not send yet: the start of a stop
+    string that the next tokens may complete, none once the sequence is over (`final`).
+    (A Detokenizer's text never ends in half a character: it keeps a character's bytes
+    until it is whole.)"""
+    if final:
+        return 0
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+               default=0)

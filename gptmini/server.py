@@ -40,7 +40,7 @@ from gptmini.engine import Engine, Request
 from gptmini.engine_loop import EngineLoop, Ticker
 from gptmini.page import PageState, checkpoint_panel
 from gptmini.page import router as page_router
-from gptmini.sampling import SamplingParams
+from gptmini.sampling import SamplingParams, held_back
 from gptmini.tokenizer import encode_prompt
 
 __all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app", "drain",
@@ -108,16 +108,6 @@ class ServerState:
                                                                  self.api_key.encode()):
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                            kind="authentication_error")
-
-
-def held_back(text: str, stops: tuple[str, ...], final: bool) -> int:
-    """Characters at the end of `text` a stream must not send yet: the start of a stop
-    string that the next tokens may complete. (The engine's text never ends in half a
-    character: it keeps a character's bytes until it is whole.)"""
-    if final:
-        return 0
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
-               default=0)
 
 
 router = APIRouter()
