@@ -238,15 +238,16 @@ class Ragged:
     packed queries out as (num_seqs, heads, longest_new, head_dim), the cache returns each
     sequence's keys left-padded to the longest sequence, `context` masks the padding (and is
     causal, windowed, modified as the model's attention is: the new tokens of every row are
-    the last of its keys), and `pack` puts the output back in packed order. Padding costs
+    the last of its keys), and `pack` puts the output back in packed order. `key_index` is
+    each key's place in its own sequence (negative in the padding), from which the engine
+    finds its slots and positions (`new_of`: the new tokens' in packed order). Padding costs
     only attention's share of the work, and only in the rows shorter than the longest.
     """
 
     def __init__(self, num_new: list[int], num_cached: list[int], *, causal: bool = True,
                  window_size: int | None = None, alibi_heads: int | None = None,
                  softcap: float | None = None, device=None):
-        self.num_new, self.num_cached = list(num_new), list(num_cached)
-        longest_new = max(num_new)
+        longest_new = self.longest_new = max(num_new)
         self.num_keys = max(n + c for n, c in zip(num_new, num_cached, strict=True))
         starts = torch.tensor([0, *num_new], device=device).cumsum(0)[:-1]  # packed offsets
         new = torch.tensor(num_new, device=device)
@@ -256,17 +257,19 @@ class Ragged:
         # the packed index of every (row, column), padding reading token 0 (thrown away)
         self.query_index = torch.where(real, starts[:, None] + column - first[:, None], 0)
         self.real = real.flatten().nonzero().squeeze(1)  # packed order, row by row
-        total = torch.tensor([n + c for n, c in zip(num_new, num_cached, strict=True)],
-                             device=device)
-        key_mask = torch.arange(self.num_keys, device=device) >= self.num_keys - total[:, None]
+        total = new + torch.tensor(num_cached, device=device)
+        # each key's place in its own sequence, negative in the left padding
+        self.key_index = (torch.arange(self.num_keys, device=device)
+                          - (self.num_keys - total[:, None]))  # (num_seqs, num_keys)
         self.context = AttentionContext.build(
             len(num_new), longest_new, self.num_keys - longest_new, causal=causal,
-            window_size=window_size, attention_mask=key_mask, uses_cache=True,
+            window_size=window_size, attention_mask=self.key_index >= 0, uses_cache=True,
             alibi_heads=alibi_heads, softcap=softcap)
 
-    def key_slots(self, tables: list[list[int]]) -> list[list[int]]:
-        """Each sequence's slots left-padded to `num_keys` with slot 0 (hidden by the mask)."""
-        return [[0] * (self.num_keys - len(t)) + t for t in tables]
+    def new_of(self, per_key: Tensor) -> Tensor:
+        """(num_seqs, num_keys) values per key -> (total_new,) those of the new tokens, in
+        packed order (the new tokens are the last keys of every row)."""
+        return per_key[:, self.num_keys - self.longest_new:].flatten()[self.real]
 
     def unpack(self, x: Tensor) -> Tensor:
         """(1, heads, total_new, head_dim) packed -> (num_seqs, heads, longest_new, head_dim)."""

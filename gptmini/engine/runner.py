@@ -37,23 +37,16 @@ class ModelRunner:
         device, size = self.device, self.block_size
         requests = [c.request for c in chunks]
         num_new = [c.num_new for c in chunks]
-        num_cached = [r.num_cached for r in requests]
-        ragged = self.model.new_ragged(num_new, num_cached, device=device)
-        total = torch.tensor([r.num_cached + c.num_new for r, c in zip(requests, chunks,
-                                                                       strict=True)],
-                             device=device)
+        ragged = self.model.new_ragged(num_new, [r.num_cached for r in requests],
+                                       device=device)
         longest_table = max(len(r.table) for r in requests)
         tables = torch.tensor([r.table + [0] * (longest_table - len(r.table))
                                for r in requests], device=device).clamp(min=0)  # -1: block 0
-        # token index of every (sequence, key) in its sequence, negative in the padding
-        index = torch.arange(ragged.num_keys, device=device) - (ragged.num_keys - total[:, None])
-        token = index.clamp(min=0)
-        read = tables.gather(1, token // size) * size + token % size  # (num_seqs, num_keys)
-        read = read.masked_fill(index < 0, 0)
-        longest_new = max(num_new)
-        new_part = slice(ragged.num_keys - longest_new, None)  # the new tokens' columns
-        write = read[:, new_part].flatten()[ragged.real][None]  # (1, total_new)
-        positions = token[:, new_part].flatten()[ragged.real][None]  # counted from start
+        token = ragged.key_index.clamp(min=0)  # (num_seqs, num_keys), 0 in the padding
+        read = tables.gather(1, token // size) * size + token % size
+        read = read.masked_fill(ragged.key_index < 0, 0)  # the padding reads slot 0
+        write = ragged.new_of(read)[None]  # (1, total_new)
+        positions = ragged.new_of(token)[None]  # counted from the request's start
         ids = torch.tensor([[t for r, c in zip(requests, chunks, strict=True)
                              for t in r.all_tokens[r.start + r.num_cached:][:c.num_new]]],
                            device=device)
@@ -62,6 +55,6 @@ class ModelRunner:
                                  dtype=torch.long, device=device)]
         context = self.model.new_context(1, ids.shape[1], positions=positions,
                                          uses_cache=True, ragged=ragged, device=device)
-        views = self.pool.views(read, write, ragged.num_keys - longest_new)
+        views = self.pool.views(read, write, ragged.num_keys - ragged.longest_new)
         logits = self.model(ids, kv_caches=views, context=context, logits_to_keep=keep)
         return logits[0].float()
