@@ -11,7 +11,7 @@ from gptmini.threads import sleep_when_idle
 
 sleep_when_idle()  # before torch loads OpenMP: a shared CPU keeps its fair share
 
-from gptmini.training import keep_freed_memory, main  # noqa: E402
+from gptmini.train.command import keep_freed_memory, main  # noqa: E402
 
 if __name__ == "__main__":
     keep_freed_memory()  # process-wide: set here, in the training process, not by the library

@@ -7,7 +7,7 @@
 
 import sys
 
-from gptmini.cli import visualize_main as main
+from gptmini.analysis.visualize import visualize_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,9 +25,9 @@ from machine import cpu_name  # bench/machine.py (the script's own folder)
 
 CASE = r"""
 import json, resource, sys, time, torch
-import gptmini.kernels.tiled as tiled_kernel
+import gptmini.attention.kernels.tiled as tiled_kernel
 from gptmini.attention import MultiHeadAttention
-from gptmini.flash import tiled_attention
+from gptmini.attention.kernels.tiled import tiled_attention
 
 backend, mask, n, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)

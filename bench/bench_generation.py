@@ -22,9 +22,9 @@ import time
 import torch
 from machine import cpu_name  # bench/machine.py (the script's own folder)
 
-from gptmini.flops import num_parameters
-from gptmini.generation import generate
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.model.flops import num_parameters
 
 CONFIGS = {
     "small (cpu-small: 4L, emb 256, ctx 128)": GPTConfig.from_preset("cpu-small", drop_rate=0.0),

@@ -19,11 +19,11 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from machine import cpu_name  # bench/machine.py (the script's own folder)
 from torch.utils.data import DataLoader, Dataset
 
-from gptmini.flops import flops_per_token, num_parameters
-from gptmini.generation import generate
-from gptmini.lit_module import GPTLitModule
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.optim import lr_factor
+from gptmini.model.flops import flops_per_token, num_parameters
+from gptmini.train.module import GPTLitModule
+from gptmini.train.optim import lr_factor
 
 GPT2 = dict(vocab_size=50257, padded_vocab_size=50304, context_length=1024, emb_dim=768,
             n_heads=12, n_layers=12, drop_rate=0.0, qkv_bias=True, tie_weights=True)

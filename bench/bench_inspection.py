@@ -32,7 +32,7 @@ import torch
 from local_server import start_server
 from machine import cpu_description
 
-from gptmini.engine import Engine
+from gptmini.generate.engine import Engine
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import ASSETS, get_tokenizer, save_tokenizer, train_bpe
 
@@ -45,7 +45,7 @@ def serve(port: int, tokenizer_path: str) -> None:
     """The server process."""
     import uvicorn
 
-    from gptmini.server import create_app
+    from gptmini.serve.app import create_app
 
     tokenizer = get_tokenizer(tokenizer_path)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ each sequence's own scattered slots. Side by side, per layer:
     index      gather the keys and values by slot with a (num_seqs, num_keys) index tensor
     select     the same gather with index_select on the flattened slots
     buffer     index_select into a buffer reused from step to step (no allocation; what
-               gptmini.engine.paged does)
+               gptmini.generate.engine.paged does)
     pool       no gather: every query against the whole pool, the other slots masked out
 
 each followed by SDPA over what it read (the pool way: over all slots). Shapes: the small

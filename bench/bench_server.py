@@ -31,7 +31,7 @@ from bench_serving import SHAPES, workload  # noqa: E402
 from local_server import start_server  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
-from gptmini.engine import Engine  # noqa: E402
+from gptmini.generate.engine import Engine  # noqa: E402
 from gptmini.model import GPTModel  # noqa: E402
 from gptmini.tokenizer import get_tokenizer  # noqa: E402
 
@@ -47,7 +47,7 @@ def serve(port: int, max_batch: int, threads: int) -> None:
     import uvicorn
 
     torch.set_num_threads(threads)
-    from gptmini.server import create_app
+    from gptmini.serve.app import create_app
 
     uvicorn.run(create_app(build(max_batch), "bench"), host="127.0.0.1", port=port,
                 log_level="error")

@@ -28,8 +28,8 @@ import time
 import torch
 from machine import cpu_description
 
-from gptmini.engine import Engine
-from gptmini.generation import generate, left_pad
+from gptmini.generate.engine import Engine
+from gptmini.generate.loop import generate, left_pad
 from gptmini.model import GPTConfig, GPTModel
 
 SHAPES = {

@@ -22,11 +22,11 @@ import torch
 from lightning.pytorch import Callback
 from machine import cpu_description  # bench/machine.py (the script's own folder)
 
-from gptmini.flops import flops_per_token, measure_matmul_flops
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.optim import lr_factor
-from gptmini.precision import cpu_has_bf16
-from gptmini.training import build_cli, fit, keep_freed_memory
+from gptmini.model.flops import flops_per_token
+from gptmini.runtime import cpu_has_bf16, measure_matmul_flops
+from gptmini.train.command import build_cli, fit, keep_freed_memory
+from gptmini.train.optim import lr_factor
 
 SHAPE = {"n_layers": 4, "n_heads": 4, "emb_dim": 256}
 BATCH = 8
@@ -155,7 +155,7 @@ def main():
     args = parser.parse_args()
 
     # Both paths run in this process, so both get what train.py does: freed memory is kept
-    # for reuse (see gptmini.training.keep_freed_memory).
+    # for reuse (see gptmini.train.command.keep_freed_memory).
     kept = keep_freed_memory()
     precisions = ["32-true"] + (["bf16-mixed"] if cpu_has_bf16() else [])
     if args.precision != "both":

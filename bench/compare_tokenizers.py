@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from machine import cpu_description
 
+from gptmini.analysis.evaluate import run_data_settings, score_text, text_tokens
 from gptmini.checkpoint import load_checkpoint
-from gptmini.evaluate import run_data_settings, score_text, text_tokens
-from gptmini.generation import generate
-from gptmini.precision import auto_precision
+from gptmini.generate.loop import generate
+from gptmini.runtime import auto_precision
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "ROMEO:"

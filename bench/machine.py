@@ -3,7 +3,7 @@
 import platform
 from pathlib import Path
 
-from gptmini.precision import CPU_BF16_FLAGS
+from gptmini.runtime import CPU_BF16_FLAGS
 
 
 def _cpuinfo() -> list[str]:

@@ -43,7 +43,7 @@ TINY = ["--trainer.accelerator", "cpu", "--trainer.max_steps", "8",
 STOP_AT = """
 import sys
 from lightning.pytorch import Callback
-from gptmini.training import build_cli, fit
+from gptmini.train.command import build_cli, fit
 class StopAt(Callback):
     def __init__(self, step): self.step = step
     def on_train_batch_end(self, trainer, *args):

@@ -2,7 +2,7 @@
 
 Each recipe trains the default run's data (the embedded Shakespeare, its 4,096-token BPE,
 8 windows of 128 tokens a step) from scratch for the same seconds of training, for several
-seeds, in a plain PyTorch loop over gptmini's model and optimizers (`gptmini.optim`, as
+seeds, in a plain PyTorch loop over gptmini's model and optimizers (`gptmini.train.optim`, as
 train.py builds them), with gradient clipping at 1.0. The schedule is the default run's
 warmup (in steps) then a cosine decay over the rest of the time budget, so every recipe
 ends its decay when its time is up, however fast its steps are. At fractions of the budget
@@ -32,13 +32,13 @@ sleep_when_idle()  # before torch loads OpenMP: a shared CPU keeps its fair shar
 import torch  # noqa: E402
 from machine import cpu_description  # noqa: E402  (bench/machine.py, this folder's)
 
+from gptmini.analysis.evaluate import score_text  # noqa: E402
 from gptmini.data import GPTDataModule  # noqa: E402
 from gptmini.data.vocab import parse_bpe  # noqa: E402
-from gptmini.evaluate import score_text  # noqa: E402
 from gptmini.model import GPTConfig, GPTModel  # noqa: E402
-from gptmini.optim import make_optimizer  # noqa: E402
-from gptmini.precision import auto_precision  # noqa: E402
+from gptmini.runtime import auto_precision  # noqa: E402
 from gptmini.tokenizer import load_tokenizer  # noqa: E402
+from gptmini.train.optim import make_optimizer  # noqa: E402
 
 BOOK = {  # today's default run (configs/book-gpt2.yaml): the book's GPT-2 blocks, AdamW
     "model": {"context_length": 128, "emb_dim": 256, "n_heads": 4, "n_layers": 4,

@@ -342,3 +342,13 @@ def split_pattern(enc: tiktoken.Encoding) -> str | None:
     tiktoken by name only)."""
     state = enc.__getstate__()  # tiktoken's pickling protocol: the encoding's definition
     return None if isinstance(state, str) else state["pat_str"]
+
+
+def token_text(enc: tiktoken.Encoding, token: int) -> str:
+    """A token as OpenAI's logprobs name it: its text, or "bytes:\\xe2\\x80" for a token
+    that is part of a character (distinct ids never share a name)."""
+    raw = enc.decode_single_token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -39,10 +39,10 @@ def _local_only(connect):
 def _eager_flex(monkeypatch):
     """FlexAttention uncompiled (the same math, no minutes of compiling); the tests of the
     compiled kernel switch it back on."""
-    import gptmini.kernels.flex
+    import gptmini.attention.kernels.flex
 
     monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "0")
-    gptmini.kernels.flex._compiled_flex.cache_clear()
+    gptmini.attention.kernels.flex._compiled_flex.cache_clear()
 
 
 @pytest.fixture(autouse=True)

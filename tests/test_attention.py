@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptmini.attention import KVCache, MultiHeadAttention
-from gptmini.reference import (
+from gptmini.attention.book import (
     CausalAttention,
     MultiHeadAttentionWrapper,
     SelfAttention_v1,

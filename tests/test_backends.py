@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gptmini.attention as attention
-import gptmini.kernels.flex as flex_kernel
+import gptmini.attention.kernels.flex as flex_kernel
+import gptmini.attention.multihead as attention
 from gptmini.attention import KVCache, MultiHeadAttention
-from gptmini.context import AttentionContext
-from gptmini.flash import tiled_attention
+from gptmini.attention.context import AttentionContext
+from gptmini.attention.kernels.tiled import tiled_attention
 from gptmini.model import GPTConfig, GPTModel
 
 B, N, D_IN = 3, 21, 16

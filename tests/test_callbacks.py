@@ -11,15 +11,11 @@ import torch
 from helpers import PROMPT, tiny
 from lightning.pytorch.loggers import WandbLogger
 
-from gptmini.callbacks import AttentionMapCallback
-from gptmini.cli import visualize_main
+from gptmini.analysis.plots import PLOT_INSTALL_HINT, attention_weights, plot_attention
+from gptmini.analysis.visualize import visualize_main
 from gptmini.model import GPTModel
-from gptmini.plots import (
-    PLOT_INSTALL_HINT,
-    attention_weights,
-    plot_attention,
-)
 from gptmini.tokenizer import get_tokenizer
+from gptmini.train.callbacks import AttentionMapCallback
 
 
 @pytest.fixture
@@ -104,7 +100,7 @@ def test_callback_in_a_real_training_run_saves_maps_and_changes_nothing(tmp_path
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from gptmini.lit_module import GPTLitModule
+    from gptmini.train.module import GPTLitModule
 
     def run(callbacks, root):
         L.seed_everything(0, verbose=False)
@@ -132,7 +128,7 @@ def test_callback_in_a_real_training_run_saves_maps_and_changes_nothing(tmp_path
 def test_progress_bar_shows_loss_lr_and_tokens_per_second_with_their_digits():
     from types import SimpleNamespace
 
-    from gptmini.progress import progress_bar
+    from gptmini.train.progress import progress_bar
 
     # The losses are tensors among the callback metrics; lr and tok/s plain progress-bar numbers.
     trainer = SimpleNamespace(
@@ -148,8 +144,8 @@ def test_samples_come_once_per_optimizer_step_under_gradient_accumulation(tmp_pa
     sampled 3 and 4 times (once per micro-batch)."""
     import lightning as L
 
-    from gptmini.callbacks import SampleCallback
-    from gptmini.lit_module import GPTLitModule
+    from gptmini.train.callbacks import SampleCallback
+    from gptmini.train.module import GPTLitModule
 
     module = GPTLitModule(context_length=16, emb_dim=16, n_heads=2, n_layers=2, drop_rate=0.0,
                           warmup_steps=1, peak_flops=1e12)
@@ -167,7 +163,7 @@ def test_samples_come_once_per_optimizer_step_under_gradient_accumulation(tmp_pa
 
 
 def test_one_step_guard_fires_once_per_step_and_not_for_a_resumed_step():
-    from gptmini.callbacks import EveryNSteps
+    from gptmini.train.callbacks import EveryNSteps
 
     guard = EveryNSteps(every_n_steps=2)
     trainer = SimpleNamespace(global_step=10, is_global_zero=True)
@@ -191,7 +187,7 @@ def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path
 
     from helpers import tiny_args
 
-    from gptmini.training import main
+    from gptmini.train.command import main
 
     args = tiny_args(tmp_path, corpus, "--trainer.enable_progress_bar", "true",
                      "--trainer.max_steps", "20", "--trainer.log_every_n_steps", "5",

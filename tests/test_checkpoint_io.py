@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptmini.checkpoint_io import (
+from gptmini.checkpoint.atomic import (
     AtomicCheckpointIO,
     CheckpointWriteError,
     atomic_save,
@@ -24,7 +24,7 @@ CHECKPOINT = {"state_dict": {"w": torch.arange(300_000, dtype=torch.float32)}, "
 DIES = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
-    import gptmini.checkpoint_io as io
+    import gptmini.checkpoint.atomic as io
 
     path, how, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     if how == "mid-write":  # dies after writing n bytes of the new checkpoint
@@ -97,7 +97,7 @@ def test_a_full_or_read_only_disk_raises_a_clear_error_and_keeps_the_old_file(
 def test_a_signal_handlers_exception_mid_write_comes_out_as_itself(tmp_path, monkeypatch):
     """Before: a second SIGTERM landing in a save came out as torch's RuntimeError from
     the zip writer, and train.py exited 1 with a traceback instead of 143."""
-    from gptmini.callbacks import StoppedAtOnce
+    from gptmini.train.callbacks import StoppedAtOnce
 
     path = tmp_path / "last.ckpt"
     atomic_save(CHECKPOINT, path)

@@ -9,12 +9,10 @@ import pytest
 import torch
 from helpers import PROMPT, make_model, png_size, save_checkpoint, tiny
 
+from gptmini.analysis.visualize import visualize_main
 from gptmini.checkpoint import load_checkpoint
-from gptmini.cli import generate_main, visualize_main
-from gptmini.generation import (
-    generate,
-    stream_text,
-)
+from gptmini.generate.command import generate_main
+from gptmini.generate.loop import generate, stream_text
 from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
@@ -269,7 +267,7 @@ def test_a_binary_prompt_file_is_named(tmp_path, capsys, checkpoint):
 ])
 def test_serve_py_numbers_are_checked_before_the_engine(checkpoint, capsys, flag, value, match):
     """Before: --block_size 0 was a ZeroDivisionError, --max_batch 0 blamed num_blocks."""
-    from gptmini.cli import serve_main
+    from gptmini.serve.command import serve_main
 
     pytest.importorskip("uvicorn")
     with pytest.raises(SystemExit) as exc:

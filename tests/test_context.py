@@ -6,15 +6,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gptmini import masks
-from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
-from gptmini.context import AttentionContext, Ragged, positions_in_documents
-from gptmini.engine.paged import KVPool, PagedView
+from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, masks
+from gptmini.attention.context import AttentionContext, Ragged, positions_in_documents
+from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
 
 def counting(monkeypatch, name):
-    """Count the calls of masks.<name> made through gptmini.context."""
+    """Count the calls of masks.<name> made through gptmini.attention.context."""
     calls = []
     original = getattr(masks, name)
 

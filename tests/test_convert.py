@@ -13,7 +13,7 @@ from gptmini.convert import (
     load_hf,
     to_hf_state_dict,
 )
-from gptmini.generation import generate
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
 
 transformers = pytest.importorskip("transformers")

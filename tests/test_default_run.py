@@ -9,12 +9,13 @@ import torch
 import yaml
 from helpers import tiny_args
 
+from gptmini.analysis.visualize import visualize_main
 from gptmini.checkpoint import load_checkpoint
-from gptmini.cli import generate_main, visualize_main
 from gptmini.convert import export_hf
-from gptmini.engine import Engine
-from gptmini.generation import generate
-from gptmini.training import DEFAULT_CONFIG, main
+from gptmini.generate.command import generate_main
+from gptmini.generate.engine import Engine
+from gptmini.generate.loop import generate
+from gptmini.train.command import DEFAULT_CONFIG, main
 
 RECIPE = ("position", "norm", "mlp", "qk_norm", "bias", "tie_weights")
 
@@ -61,7 +62,7 @@ def test_the_server_answers_from_the_checkpoint(checkpoint):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from gptmini.server import create_app
+    from gptmini.serve.app import create_app
 
     model, tokenizer, _ = load_checkpoint(checkpoint)
     app = create_app(Engine(model, tokenizer, block_size=4), "tiny")
@@ -109,7 +110,7 @@ BOOK_DEFAULT = {  # the default run before the speedrun (gptmini/configs/shakesp
 
 
 def test_book_gpt2_yaml_is_the_default_run_of_before(capsys):
-    from gptmini.training import build_cli
+    from gptmini.train.command import build_cli
 
     with pytest.raises(SystemExit):
         build_cli(["--config", str(Path(__file__).parents[1] / "configs" / "book-gpt2.yaml"),

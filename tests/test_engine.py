@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from gptmini.engine import Engine, SamplingParams
-from gptmini.generation import generate
+from gptmini.generate.engine import Engine, SamplingParams
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import byte_tokenizer
 
@@ -278,7 +278,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
 def test_a_step_runs_the_model_once_and_samples_once(model, monkeypatch):
     """Prefills of several prompts and the decodes beside them: one forward pass and one
     sampling call per step, whatever the mix."""
-    import gptmini.engine.engine as engine_module
+    import gptmini.generate.engine.engine as engine_module
 
     calls = {"forward": 0, "sample": 0}
     real_sample = engine_module.sample

@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers import make_model, save_checkpoint, tiny_args
 
-import gptmini.checkpoint_io as checkpoint_io
-from gptmini.cli import generate_main
+import gptmini.checkpoint.atomic as checkpoint_io
 from gptmini.convert import export_hf
-from gptmini.training import main
+from gptmini.generate.command import generate_main
+from gptmini.train.command import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_model, save_checkpoint, tiny_args
 
-from gptmini.evaluate import (
+from gptmini.analysis.evaluate import (
     choice_logliks,
     evaluate_main,
     read_choices,
@@ -108,7 +108,7 @@ def test_records_come_from_a_jsonl_file_or_through_datasets(tmp_path, monkeypatc
 def test_evaluate_py_scores_a_runs_whole_validation_split_and_names_bad_records(
     tmp_path, corpus, capsys
 ):
-    from gptmini.training import main
+    from gptmini.train.command import main
 
     assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10")) == 0
     best = tmp_path / "runs" / "tiny" / "checkpoints" / "best.ckpt"

@@ -2,8 +2,9 @@
 
 import torch
 
-from gptmini.flops import flops_per_token, measure_matmul_flops
 from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel
+from gptmini.model.flops import flops_per_token
+from gptmini.runtime import measure_matmul_flops
 
 
 def test_flops_per_token_counts_every_matmul_weight_six_times():

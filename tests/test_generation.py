@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import make_model
 
-from gptmini.generation import (
+from gptmini.generate.loop import (
     generate,
     generate_stream,
     left_pad,

@@ -12,9 +12,9 @@ from lightning.pytorch import Callback
 
 from gptmini.attention import MultiHeadAttention
 from gptmini.checkpoint import load_checkpoint
-from gptmini.generation import generate
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.training import build_cli, fit, main
+from gptmini.train.command import build_cli, fit, main
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gptmini.heads import head_roles, role_scores
+from gptmini.analysis.heads import head_roles, role_scores
 from gptmini.model import GPTConfig, GPTModel
 
 PERIOD, TOKENS = 5, 11  # [first] + r + r

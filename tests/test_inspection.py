@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptmini.inspection import inspect_text, pack
+from gptmini.analysis.inspection import inspect_text, pack
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import byte_tokenizer
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptmini import kernels
-from gptmini.attention import KVCache, MultiHeadAttention
+from gptmini.attention import KVCache, MultiHeadAttention, kernels
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.testing import AttentionSpec, check_attention
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from gptmini.convert import export_hf
-from gptmini.lit_module import GPTLitModule
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.optim import lr_factor
+from gptmini.train.module import GPTLitModule
+from gptmini.train.optim import lr_factor
 
 TINY = dict(context_length=16, emb_dim=16, n_heads=2, n_layers=2,
             drop_rate=0.0, peak_flops=1e9)

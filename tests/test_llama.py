@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gptmini.attention.positions import apply_rope, rope_angles
 from gptmini.checkpoint import load_checkpoint
 from gptmini.convert import export_hf, load_hf
-from gptmini.generation import generate
-from gptmini.llama import config_from_llama, interleaved_to_halves
+from gptmini.convert.llama import config_from_llama, interleaved_to_halves
+from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.positions import apply_rope, rope_angles
 from gptmini.tokenizer import get_tokenizer
 
 transformers = pytest.importorskip("transformers")

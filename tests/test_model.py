@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.flops import num_parameters
 from gptmini.model import GPT_CONFIG_124M, PRESETS, GPTConfig, GPTModel
+from gptmini.model.flops import num_parameters
 
 
 def test_book_config_dict_builds_a_config():

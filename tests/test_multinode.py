@@ -16,7 +16,7 @@ from helpers import tiny_args
 NODE = textwrap.dedent("""
     import os, signal, sys, torch
     from lightning.pytorch import Callback
-    from gptmini.training import main
+    from gptmini.train.command import main
 
     class SignalOnThisNode(Callback):  # SIGTERM to one node only, mid-run
         def on_train_batch_end(self, trainer, *args):
@@ -24,7 +24,7 @@ NODE = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGTERM)
 
     if os.environ.get("SIGNAL_NODE") == os.environ["NODE_RANK"]:
-        import gptmini.training as training
+        import gptmini.train.command as training
         build = training.build_cli
 
         def build_cli(args=None):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import make_model
 
-from gptmini.lit_module import GPTLitModule
-from gptmini.optim import (
+from gptmini.train.module import GPTLitModule
+from gptmini.train.optim import (
     MuonAdamW,
     apply_changed_settings,
     lr_factor,

@@ -16,12 +16,12 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import save_checkpoint, write_metrics  # noqa: E402
 
+from gptmini.analysis.heads import head_roles  # noqa: E402
 from gptmini.checkpoint import load_checkpoint  # noqa: E402
-from gptmini.engine import Engine  # noqa: E402
-from gptmini.heads import head_roles  # noqa: E402
+from gptmini.generate.engine import Engine  # noqa: E402
 from gptmini.model import GPTConfig, GPTModel  # noqa: E402
-from gptmini.page import checkpoint_panel  # noqa: E402
-from gptmini.server import create_app  # noqa: E402
+from gptmini.serve.app import create_app  # noqa: E402
+from gptmini.serve.page import checkpoint_panel  # noqa: E402
 from gptmini.tokenizer import byte_tokenizer  # noqa: E402
 
 ENC = byte_tokenizer()

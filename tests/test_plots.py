@@ -4,8 +4,7 @@ import pytest
 import torch
 from helpers import PROMPT, png_size, tiny
 
-from gptmini.model import GPTModel
-from gptmini.plots import (
+from gptmini.analysis.plots import (
     PAD_LABEL,
     attention_figure,
     attention_weights,
@@ -13,6 +12,7 @@ from gptmini.plots import (
     plot_attention,
     plot_curves,
 )
+from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
 

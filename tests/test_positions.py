@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.engine import Engine
-from gptmini.generation import generate, left_pad
+from gptmini.attention.positions import alibi_slopes, apply_rope, rope_angles
+from gptmini.generate.engine import Engine
+from gptmini.generate.loop import generate, left_pad
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.positions import alibi_slopes, apply_rope, rope_angles
 
 
 def rope_by_complex_numbers(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import gptmini.precision as precision
-from gptmini.precision import auto_dtype, auto_precision, cpu_has_bf16
+import gptmini.runtime as precision
+from gptmini.runtime import auto_dtype, auto_precision, cpu_has_bf16
 
 CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx2 {extra}\nbugs\t\t: none\n"
 

@@ -64,7 +64,7 @@ def clone(tmp_path_factory) -> Path:
     the README, and a tiny run at runs/shakespeare-cpu."""
     from helpers import write_corpus
 
-    from gptmini.training import main
+    from gptmini.train.command import main
 
     root = tmp_path_factory.mktemp("clone")
     for name in ("train.py", "generate.py", "evaluate.py", "visualize.py", "serve.py",

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from helpers import png_size, tiny_args
 
-from gptmini.report import format_report
-from gptmini.training import main
+from gptmini.train.command import main
+from gptmini.train.report import format_report
 
 
 def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):

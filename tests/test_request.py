@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.engine import Detokenizer
+from gptmini.generate.engine import Detokenizer
 from gptmini.tokenizer import byte_tokenizer, get_tokenizer
 
 BYTES = byte_tokenizer()

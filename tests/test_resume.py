@@ -14,10 +14,10 @@ import torch
 from helpers import read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
-from gptmini.callbacks import RunInterrupted
 from gptmini.data import GPTDataModule
-from gptmini.optim import lr_factor
-from gptmini.training import build_cli, fit, main
+from gptmini.train.callbacks import RunInterrupted
+from gptmini.train.command import build_cli, fit, main
+from gptmini.train.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,8 +144,8 @@ def test_stop_and_resume_equals_one_straight_run(tmp_path, corpus, scenario):
 
 KILLED_AFTER_FIRST_SAVE = textwrap.dedent("""
     import os, sys
-    import gptmini.checkpoint_io as io
-    from gptmini.training import main
+    import gptmini.checkpoint.atomic as io
+    from gptmini.train.command import main
 
     real = io.atomic_save
     def atomic_save(obj, path):
@@ -260,8 +260,8 @@ def test_train_py_saves_and_exits_128_plus_the_signal(tmp_path, corpus, signum):
 DDP_RUN = textwrap.dedent("""
     import os, signal, sys, torch
     from lightning.pytorch import Callback
-    from gptmini.callbacks import RunInterrupted
-    from gptmini.training import build_cli, fit
+    from gptmini.train.callbacks import RunInterrupted
+    from gptmini.train.command import build_cli, fit
 
     class SignalRankOne(Callback):  # only rank 1 is told; both must stop at the same step
         def on_train_batch_end(self, trainer, *args):

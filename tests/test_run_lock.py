@@ -10,12 +10,12 @@ import pytest
 from helpers import tiny_args
 from lightning.pytorch import Callback
 
-from gptmini.run_lock import RunInUse, is_first_process, run_lock
-from gptmini.training import build_cli, fit, main
+from gptmini.train.command import build_cli, fit, main
+from gptmini.train.run_lock import RunInUse, is_first_process, run_lock
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from gptmini.run_lock import run_lock
+    from gptmini.train.run_lock import run_lock
     with run_lock(sys.argv[1]):
         print("locked", flush=True)
         time.sleep(60)

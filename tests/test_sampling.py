@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.sampling import SamplingError, SamplingParams, sample, sample_next_token
+from gptmini.generate.sampling import SamplingError, SamplingParams, sample, sample_next_token
 
 SETTINGS = st.builds(
     SamplingParams,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from gptmini.engine import Engine
+from gptmini.generate.engine import Engine
 from gptmini.model import GPTModel
 
 httpx = pytest.importorskip("httpx")
@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 
 from test_server import eventually  # noqa: E402
 
-from gptmini.server import choice_seed  # noqa: E402
+from gptmini.serve.app import choice_seed  # noqa: E402
 
 
 @pytest.mark.slow
@@ -210,7 +210,7 @@ def _healthy(url: str) -> bool:
 def test_serve_py_names_a_bad_checkpoint_or_a_busy_port(tmp_path, capsys):
     import socket
 
-    from gptmini.cli import serve_main
+    from gptmini.serve.command import serve_main
 
     with pytest.raises(SystemExit) as missing:
         serve_main(["--checkpoint", str(tmp_path / "none.ckpt"), "--port", "0"])

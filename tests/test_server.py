@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from gptmini.engine import Engine
+from gptmini.generate.engine import Engine
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import byte_tokenizer
 
@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from gptmini.server import choice_seed, create_app  # noqa: E402
+from gptmini.serve.app import choice_seed, create_app  # noqa: E402
 
 ENC = byte_tokenizer()
 
@@ -208,7 +208,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, m
 def test_special_tokens_in_a_prompt_encode_as_generate_py_encodes_them(client, model):
     """One rule (gptmini.tokenizer.encode_prompt): before, the server read every special
     token in a prompt and generate.py only <|endoftext|>."""
-    from gptmini.generation import stream_text
+    from gptmini.generate.loop import stream_text
 
     done = client.completions.create(model="tiny", prompt="a<|endoftext|>b", max_tokens=8,
                                      temperature=0)

@@ -13,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 
 from test_server import ENC, model, start  # noqa: E402, F401  (model: a fixture)
 
-from gptmini.api import token_text  # noqa: E402
+from gptmini.tokenizer import token_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")

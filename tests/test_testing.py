@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.reference import CausalAttention, MultiHeadAttentionWrapper
+from gptmini.attention.book import CausalAttention, MultiHeadAttentionWrapper
 from gptmini.testing import AttentionSpec, assert_attention, check_attention
 from gptmini.testing.checks import CHECKS
 
@@ -411,7 +411,7 @@ def test_readme_listing_prints_the_report_the_readme_shows():
 
 def test_the_kit_and_the_model_import_only_torch():
     """Model, attention, masks, flash and the kit load in any loop: no Lightning, no pytest."""
-    code = ("import sys, gptmini.model, gptmini.testing, gptmini.flash; "
+    code = ("import sys, gptmini.model, gptmini.testing, gptmini.attention.kernels.tiled; "
             "print(sorted({m.split('.')[0] for m in sys.modules}))")
     loaded = run(["-c", code], ROOT).stdout
     for heavy in ("lightning", "pytest", "datasets", "wandb", "jsonargparse", "tiktoken"):

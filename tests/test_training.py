@@ -14,9 +14,9 @@ from lightning.pytorch import Callback
 
 import gptmini
 from gptmini.data import GPTDataModule
-from gptmini.lit_module import GPTLitModule
 from gptmini.model import GPTConfig
-from gptmini.training import DEFAULT_CONFIG, build_cli, fit, main
+from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit, main
+from gptmini.train.module import GPTLitModule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_the_save_on_a_signal_says_nothing_of_weights_only(tmp_path, corpus):
     import logging
     import signal
 
-    from gptmini.callbacks import RunInterrupted
+    from gptmini.train.callbacks import RunInterrupted
 
     class Sigterm(Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -146,7 +146,7 @@ def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
 DDP_SCRIPT = """
 import json, sys
 from lightning.pytorch import Callback
-from gptmini.training import build_cli, fit
+from gptmini.train.command import build_cli, fit
 
 
 class Record(Callback):
@@ -351,7 +351,7 @@ try:
     if sys.argv_mode == "entry":
         runpy.run_path("train.py", run_name="__main__")
     else:
-        from gptmini.training import build_cli
+        from gptmini.train.command import build_cli
         build_cli(sys.argv[1:])
 except SystemExit:
     pass
@@ -431,8 +431,8 @@ def test_no_tensor_is_read_on_the_host_between_logging_steps(tmp_path, corpus, m
 def test_bf16_mixed_on_cpu_trains_saves_and_generates_like_fp32(tmp_path, corpus, capsys):
     """Precision pinned to bf16-mixed (CPU autocast), whatever this CPU's auto would pick."""
     from gptmini.checkpoint import load_checkpoint
-    from gptmini.cli import generate_main
-    from gptmini.generation import generate
+    from gptmini.generate.command import generate_main
+    from gptmini.generate.loop import generate
 
     args = tiny_args(tmp_path, corpus, "--trainer.precision", "bf16-mixed",
                      "--trainer.max_steps", "60", "--trainer.val_check_interval", "20")
@@ -456,7 +456,7 @@ def test_bf16_mixed_on_cpu_trains_saves_and_generates_like_fp32(tmp_path, corpus
 @pytest.mark.slow
 def test_auto_precision_is_said_and_a_resume_keeps_the_checkpoints(tmp_path, corpus, capsys,
                                                                    monkeypatch):
-    import gptmini.precision as precision
+    import gptmini.runtime as precision
 
     auto = [a for a in tiny_args(tmp_path, corpus, "--trainer.max_steps", "4")
             if a not in ("--trainer.precision", "32-true")]
@@ -494,7 +494,7 @@ def test_a_fitted_vocabulary_travels_in_the_checkpoint(tmp_path, corpus, capsys)
     import shutil
 
     from gptmini.checkpoint import load_checkpoint
-    from gptmini.cli import generate_main
+    from gptmini.generate.command import generate_main
     from gptmini.tokenizer import get_tokenizer, tokenizer_fingerprint
 
     args = tiny_args(tmp_path, corpus, "--model.tokenizer", "bpe:300",
@@ -551,7 +551,7 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     """configs/modern-cpu.yaml's options on a tiny run: the checkpoint alone rebuilds the
     model (generate.py, serve.py and visualize.py take no model flags)."""
     from gptmini.checkpoint import load_checkpoint
-    from gptmini.generation import generate
+    from gptmini.generate.loop import generate
 
     args = tiny_args(tmp_path, corpus, "--config", str(REPO / "configs" / "modern-cpu.yaml"),
                      "--run_name", "modern", "--trainer.max_steps", "12",
@@ -565,7 +565,7 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     assert not hasattr(model, "pos_emb")
     ids = torch.tensor([tokenizer.encode("ROMEO:")])
     assert generate(model, ids, 5, use_cache=True).shape == (1, ids.shape[1] + 5)
-    from gptmini.cli import visualize_main
+    from gptmini.analysis.visualize import visualize_main
 
     png = tmp_path / "attention.png"
     assert visualize_main(["attention", "--checkpoint", str(tmp_path / "runs" / "modern" /

@@ -1,0 +1,16 @@
+"""Attention: the book's `MultiHeadAttention` (Listing 3.5) and everything it attends with.
+
+    multihead.py  the module: projections, the KV-cache interface, the call into a kernel
+    context.py    `AttentionContext`: positions and mask of one forward pass, built once
+    masks.py      the mask algebra (True = may attend) and score modifiers (ALiBi, soft-cap)
+    positions.py  position schemes: learned, rotary, ALiBi, none
+    kernels/      sdpa, explicit, flex, tiled (flash attention's algorithm), as a table
+    book.py       the book's teaching variants (Listings 3.1-3.4), kept as oracles
+
+Imports only torch.
+"""
+
+from gptmini.attention.context import AttentionContext, Ragged
+from gptmini.attention.multihead import BaseKVCache, KVCache, MultiHeadAttention
+
+__all__ = ["AttentionContext", "BaseKVCache", "KVCache", "MultiHeadAttention", "Ragged"]

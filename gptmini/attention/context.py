@@ -1,0 +1,289 @@
+"""What one forward pass attends with, built once and read by every layer.
+
+`GPTModel.forward` (or the engine, for one of its steps) builds one `AttentionContext` and
+hands it to every block, as torchtitan builds its masks once per batch and nano-vllm's
+model runner builds one context per step. It holds:
+
+    positions   (b, num_tokens): where each new token sits in its sequence, counted from
+                its row's first real token (padding) or its document's first token
+    mask        the mask function of gptmini.attention.masks for this call, or None (all keys)
+    score_mod   the score modifier (ALiBi, soft-capping), or None
+
+and makes the mask's per-kernel forms lazily, once, for every layer to share:
+
+    dense()          (b, 1, num_tokens, num_keys) booleans: the explicit path and SDPA
+    float_mask(...)  an additive modifier and the mask as one float bias, for SDPA
+    block_mask()     a FlexAttention BlockMask
+    tile_plan(tile)  which tiles the tiled kernel skips, computes whole, or masks
+    empty_rows()     (b, num_tokens): queries the mask leaves no key (left padding)
+    rope(...)        the rotary angles of the positions (gptmini.attention.positions)
+
+Positions are absolute within a call: the queries are the last num_tokens of num_keys
+positions (the keys before them are in a KV cache).
+
+An engine step packs the new tokens of many sequences into one row, so that every linear
+layer runs on exactly the tokens there are; its context carries a `Ragged` layout, through
+which attention reads them one sequence per row (see `Ragged`).
+"""
+
+import functools
+
+import torch
+from torch import Tensor
+
+from gptmini.attention import masks
+from gptmini.attention.positions import alibi_slopes, rope_angles
+
+__all__ = ["AttentionContext", "Ragged", "positions_in_documents"]
+
+
+class AttentionContext:
+    """One forward pass's positions and mask (see the module docstring).
+
+    Build it with `AttentionContext.build`; the forms are computed on first use and kept.
+    A context belongs to one forward pass: layers share it, threads and steps do not.
+    """
+
+    def __init__(self, *, positions: Tensor, mask: masks.MaskMod | None, num_keys: int,
+                 causal: bool, window_size: int | None, padded: bool, data_dependent: bool,
+                 uses_cache: bool, score_mod: masks.ScoreMod | None = None,
+                 alibi_heads: int | None = None, softcap: float | None = None,
+                 rows_alike: bool = False, ragged: "Ragged | None" = None):
+        self.positions = positions
+        self.ragged = ragged  # several sequences packed in one row (an engine step)
+        self.mask = mask
+        self.score_mod = score_mod
+        self.alibi_heads, self.softcap = alibi_heads, softcap
+        self.batch, self.num_tokens = positions.shape
+        self.num_keys = num_keys
+        self.device = positions.device
+        self.causal, self.window_size = causal, window_size
+        self.padded = padded  # only padding can leave a query no key at all
+        self.data_dependent = data_dependent  # the mask reads padding or document tensors
+        self.rows_alike = rows_alike  # every row has the same positions
+        self.uses_cache = uses_cache  # keys before the new tokens come from a KV cache
+        self._forms: dict = {}
+
+    @classmethod
+    def build(cls, batch: int, num_tokens: int, num_cached: int = 0, *, causal: bool = True,
+              window_size: int | None = None, attention_mask: Tensor | None = None,
+              document_ids: Tensor | None = None, uses_cache: bool = False,
+              alibi_heads: int | None = None, softcap: float | None = None,
+              positions: Tensor | None = None, ragged: "Ragged | None" = None,
+              device: torch.device | str | None = None) -> "AttentionContext":
+        """The context of a call over `num_tokens` new tokens after `num_cached` cached ones.
+
+        Args:
+            batch, num_tokens: the new tokens' shape.
+            num_cached: tokens already in the KV cache; num_keys = num_cached + num_tokens.
+            causal, window_size: the attention's own settings (every layer's, in a model).
+            attention_mask: optional (b, num_keys), 1 at real tokens and 0 at padding.
+            document_ids: optional (b, num_keys), the document of each token.
+            uses_cache: a KV cache is in play (even empty, on its first call).
+            alibi_heads: ALiBi's distance penalties with the slopes of this many heads.
+            softcap: soft-cap the scores at this value.
+            positions: (b, num_tokens) the new tokens' positions, when they are not their
+                places in this call (a cache that dropped its oldest tokens continues from
+                the positions it holds); None: worked out from the arguments above.
+            ragged: the packed sequences' layout, for an engine step over many sequences
+                in one row (batch 1); attention then masks with `ragged.context`.
+            device: where positions and masks live (default: the masks' tensors' device).
+
+        Raises:
+            ValueError: attention_mask or document_ids not (batch, num_keys).
+        """
+        num_keys = num_cached + num_tokens
+        for name, per_key in (("attention_mask", attention_mask), ("document_ids", document_ids)):
+            if per_key is not None and tuple(per_key.shape) != (batch, num_keys):
+                raise ValueError(
+                    f"{name} must have shape (batch, num_keys) = ({batch}, {num_keys}), got "
+                    f"{tuple(per_key.shape)}; with a KV cache it covers cached tokens too"
+                )
+            if per_key is not None:
+                device = per_key.device
+        rows_alike = positions is None and attention_mask is None and document_ids is None
+        if positions is not None:
+            if tuple(positions.shape) != (batch, num_tokens):
+                raise ValueError(f"positions must have shape (batch, num_tokens) = ({batch}, "
+                                 f"{num_tokens}), got {tuple(positions.shape)}")
+        elif document_ids is not None:
+            positions = positions_in_documents(document_ids)[:, -num_tokens:]
+        elif attention_mask is not None:
+            # each token's place among its row's real tokens, so a left-padded prompt is
+            # positioned as it would be alone
+            positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+            positions = positions[:, -num_tokens:]  # (b, num_tokens)
+        else:
+            positions = torch.arange(num_cached, num_keys, device=device).expand(batch, -1)
+
+        parts = []
+        if causal and not (num_tokens == 1 and num_keys >= 1):
+            parts.append(masks.causal)  # a single newest query sees every earlier key anyway
+        if window_size is not None and num_keys > window_size:  # else none is farther
+            parts.append(masks.sliding_window(window_size))
+        if attention_mask is not None:
+            parts.append(masks.padding(attention_mask))
+        if document_ids is not None:
+            parts.append(masks.document(document_ids))
+        mask = None if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+        mods = []
+        if alibi_heads is not None:
+            mods.append(masks.alibi(alibi_slopes(alibi_heads).to(positions.device)))
+        if softcap is not None:
+            mods.append(masks.softcap(softcap))
+        score_mod = None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
+        return cls(positions=positions, mask=mask, num_keys=num_keys, causal=causal,
+                   window_size=window_size, padded=attention_mask is not None,
+                   data_dependent=attention_mask is not None or document_ids is not None,
+                   uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
+                   softcap=softcap, rows_alike=rows_alike, ragged=ragged)
+
+    @property
+    def plain_causal(self) -> bool:
+        """Causal over the whole call and nothing else: SDPA's is_causal (flash kernels)."""
+        return (self.mask is masks.causal and self.num_tokens == self.num_keys
+                and self.score_mod is None)
+
+    def _once(self, key, make):
+        if key not in self._forms:
+            self._forms[key] = make()
+        return self._forms[key]
+
+    def dense(self) -> Tensor | None:
+        """(b, 1, num_tokens, num_keys), True where a query may attend, or None for all.
+
+        A query with no key at all (left padding) is let see every key here, so a softmax
+        over it is not NaN; `empty_rows` says which to zero afterwards.
+        """
+        return self._once("dense", self._dense)
+
+    def _dense(self) -> Tensor | None:
+        if self.mask is None:
+            return None
+        allowed = masks.dense(self.mask, self.batch, self.num_tokens, self.num_keys, self.device)
+        if self.padded:
+            empty = ~allowed.any(dim=-1)  # (b, 1, num_tokens)
+            self._forms["empty_rows"] = empty[:, 0]
+            allowed = allowed | empty[..., None]
+        return allowed
+
+    def float_mask(self, num_heads: int, dtype: torch.dtype) -> Tensor:
+        """An additive score modifier plus the mask as one bias (b, num_heads, num_tokens,
+        num_keys): the modifier where a query may attend, -inf where not."""
+        def build():
+            bias = masks.score_bias(self.score_mod, self.batch, num_heads, self.num_tokens,
+                                    self.num_keys, self.device, dtype)
+            allowed = self.dense()
+            return bias if allowed is None else bias.masked_fill(~allowed, -torch.inf)
+
+        return self._once(("float_mask", num_heads, dtype), build)
+
+    def empty_rows(self) -> Tensor | None:
+        """(b, num_tokens): True at queries the mask lets see no key; None if there are none
+        by construction (only padding can empty a row: a query always sees itself)."""
+        if not self.padded:
+            return None
+        return self._once("empty_rows", lambda: ~masks.rows_with_keys(
+            self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
+
+    def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the new tokens' rotary angles, (b, 1, num_tokens, head_dim):
+        every layer of the pass rotates its queries and keys with the same ones."""
+        return self._once(("rope", head_dim, theta, dtype),
+                          lambda: rope_angles(self.positions, head_dim, theta, dtype))
+
+    def block_mask(self):
+        """The mask as a FlexAttention BlockMask, or None for all keys. A mask that reads no
+        data (causal, window) is the same for every batch: built once per shape."""
+        if self.mask is None:
+            return None
+        if not self.data_dependent:
+            return _fixed_block_mask(self.causal, self.window_size, self.num_tokens,
+                                     self.num_keys, str(self.device))
+        return self._once("block_mask", lambda: masks.block_mask(
+            self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
+
+    def tile_plan(self, tile: int) -> tuple[Tensor, Tensor] | None:
+        """(some, every) per (query tile, key tile), on the host (see masks.tile_plan), or
+        None for all keys."""
+        if self.mask is None:
+            return None
+
+        def plan():
+            some, every = masks.tile_plan(self.mask, self.batch, self.num_tokens,
+                                          self.num_keys, tile, self.device)
+            return some.cpu(), every.cpu()  # read once, on the host
+
+        return self._once(("tile_plan", tile), plan)
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_keys: int,
+                      device: str):
+    # Causal and window block masks depend only on the shape: one per shape for the process
+    # (a pure memo of an immutable value, thread-safe), so compiled flex finds it again.
+    parts = [masks.causal if causal else masks.full]
+    if window is not None and num_keys > window:
+        parts.append(masks.sliding_window(window))
+    mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+    return masks.block_mask(mask, None, num_tokens, num_keys, device)
+
+
+class Ragged:
+    """Sequences packed in one row, as an engine step runs them, and how attention reads them.
+
+    Sequence i has `num_new[i]` new tokens in the packed row, one sequence after another,
+    after `num_cached[i]` tokens of its own in the KV cache. Linear layers see the packed row
+    (1, total_new); attention sees one row per sequence, left-padded: `unpack` lays the
+    packed queries out as (num_seqs, heads, longest_new, head_dim), the cache returns each
+    sequence's keys left-padded to the longest sequence, `context` masks the padding (and is
+    causal, windowed, modified as the model's attention is: the new tokens of every row are
+    the last of its keys), and `pack` puts the output back in packed order. `key_index` is
+    each key's place in its own sequence (negative in the padding), from which the engine
+    finds its slots and positions (`new_of`: the new tokens' in packed order). Padding costs
+    only attention's share of the work, and only in the rows shorter than the longest.
+    """
+
+    def __init__(self, num_new: list[int], num_cached: list[int], *, causal: bool = True,
+                 window_size: int | None = None, alibi_heads: int | None = None,
+                 softcap: float | None = None, device=None):
+        longest_new = self.longest_new = max(num_new)
+        self.num_keys = max(n + c for n, c in zip(num_new, num_cached, strict=True))
+        starts = torch.tensor([0, *num_new], device=device).cumsum(0)[:-1]  # packed offsets
+        new = torch.tensor(num_new, device=device)
+        column = torch.arange(longest_new, device=device)  # (longest_new,)
+        first = longest_new - new  # (num_seqs,): the first real column of each row
+        real = column >= first[:, None]  # (num_seqs, longest_new)
+        # the packed index of every (row, column), padding reading token 0 (thrown away)
+        self.query_index = torch.where(real, starts[:, None] + column - first[:, None], 0)
+        self.real = real.flatten().nonzero().squeeze(1)  # packed order, row by row
+        total = new + torch.tensor(num_cached, device=device)
+        # each key's place in its own sequence, negative in the left padding
+        self.key_index = (torch.arange(self.num_keys, device=device)
+                          - (self.num_keys - total[:, None]))  # (num_seqs, num_keys)
+        self.context = AttentionContext.build(
+            len(num_new), longest_new, self.num_keys - longest_new, causal=causal,
+            window_size=window_size, attention_mask=self.key_index >= 0, uses_cache=True,
+            alibi_heads=alibi_heads, softcap=softcap)
+
+    def new_of(self, per_key: Tensor) -> Tensor:
+        """(num_seqs, num_keys) values per key -> (total_new,) those of the new tokens, in
+        packed order (the new tokens are the last keys of every row)."""
+        return per_key[:, self.num_keys - self.longest_new:].flatten()[self.real]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(1, heads, total_new, head_dim) packed -> (num_seqs, heads, longest_new, head_dim)."""
+        return x[0][:, self.query_index].transpose(0, 1)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(num_seqs, heads, longest_new, head_dim) -> (1, heads, total_new, head_dim)."""
+        return x.transpose(0, 1).flatten(1, 2)[:, self.real].unsqueeze(0)
+
+
+def positions_in_documents(document_ids: Tensor) -> Tensor:
+    """(b, n): each token's position counted from the first token of its document."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # a new document begins
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # (b, n) its document's start
+    return index - first

@@ -1,0 +1,32 @@
+"""torch's fused scaled_dot_product_attention: the default kernel."""
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from gptmini.attention.kernels.explicit import explicit_attention
+
+
+class SdpaKernel:
+    """`F.scaled_dot_product_attention`. With causal alone over the whole call it passes
+    `is_causal=True` and no mask, so flash kernels stay eligible on GPUs; any other mask
+    goes as the context's dense boolean mask, and an additive score modifier (ALiBi) with
+    it as one float bias. SDPA has no hook for other modifiers (soft-capping): with one,
+    this kernel computes the scores itself, as the explicit path does."""
+
+    has_dropout = True
+
+    def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
+                 dropout_p: float = 0.0) -> Tensor:
+        gqa = keys.shape[1] != queries.shape[1]
+        mod = context.score_mod
+        if mod is not None and not getattr(mod, "additive", False):
+            return explicit_attention(queries, keys, values, context, dropout_p)[0]
+        if mod is not None:
+            bias = context.float_mask(queries.shape[1], queries.dtype)
+            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
+                                                  dropout_p=dropout_p, enable_gqa=gqa)
+        if context.plain_causal:
+            return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout_p,
+                                                  is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=context.dense(),
+                                              dropout_p=dropout_p, enable_gqa=gqa)

@@ -1,0 +1,382 @@
+"""Multi-head attention (the book's Listing 3.5), and the KV-cache interface it reads.
+
+Letters in the shape comments:
+    b             batch size
+    num_tokens    queries in this call (the new tokens)
+    num_keys      keys in this call: cached tokens + new tokens
+    num_heads     query heads
+    num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
+    head_dim      d_out // num_heads
+
+The module projects queries, keys and values, appends keys and values to a KV cache if
+given one, and hands them to its kernel, chosen once at construction from the table in
+gptmini.attention.kernels (sdpa, explicit, flex, tiled, or one of your own). What the call attends
+with (the positions of the new tokens and the mask, in every kernel's form) is an
+`AttentionContext` (gptmini.attention.context): a model builds one per forward pass and passes it to
+every layer; called alone, the module builds its own from its arguments.
+
+A query with no key to attend (left padding) gets a zero output, never NaN, on every
+kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 in training
+(set the attention's own rate to 0: GPTConfig.attn_drop_rate).
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+
+from gptmini.attention.context import AttentionContext
+from gptmini.attention.kernels import KERNELS, explicit_attention, make_kernel
+from gptmini.attention.positions import apply_rope
+
+BACKENDS = tuple(KERNELS)
+"""The built-in kernels' names (gptmini.attention.kernels.KERNELS holds registered ones too)."""
+
+
+class BaseKVCache(ABC):
+    """What attention needs of a KV cache: the contiguous `KVCache` and the engine's
+    paged view (gptmini.generate.engine.paged.PagedView) both are one.
+
+    `len(cache)` counts the tokens held before this call's new ones; `update` stores the
+    new tokens' keys, values and positions and returns every key and value the call
+    attends to, (b, num_kv_heads, num_keys, head_dim); `positions` (b, num_keys) are the
+    positions of the keys it returned last (of everything it holds).
+    """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def update(self, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+    @property
+    @abstractmethod
+    def positions(self) -> Tensor | None: ...
+
+
+class KVCache(BaseKVCache):
+    """Keys and values of the tokens seen so far, for one attention layer.
+
+    `keys` and `values` are (b, num_kv_heads, num_cached, head_dim), `positions`
+    (b, num_cached); `update` appends the new tokens' and returns all keys and values.
+
+    Without autograd the tensors live in buffers that grow by doubling, so appending one
+    token writes one token: concatenating instead would copy the whole cache (and fault in
+    fresh memory) at every step, which at batch 8 costs as much as the matmuls. With
+    autograd (a new key that requires grad) it concatenates, so gradients flow as before.
+    """
+
+    def __init__(self, keys: Tensor | None = None, values: Tensor | None = None):
+        self._keys, self._values, self._positions, self._len = None, None, None, 0
+        if keys is not None:
+            self.keys, self.values = keys, values
+
+    # Assigning keys/values replaces the cache's contents (the former dataclass fields).
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self._len]
+
+    @keys.setter
+    def keys(self, keys: Tensor | None):
+        self._keys, self._positions = keys, None
+        self._len = 0 if keys is None else keys.shape[2]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._values is None else self._values[:, :, : self._len]
+
+    @values.setter
+    def values(self, values: Tensor | None):
+        self._values = values
+
+    @property
+    def positions(self) -> Tensor | None:
+        """(b, num_cached) positions of the cached tokens, or None where some token's was
+        not given (keys assigned directly, or an update without positions)."""
+        return None if self._positions is None else self._positions[:, : self._len]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"KVCache(num_cached={self._len})"
+
+    def update(self, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # positions are kept only while every token's is known
+        track = positions is not None and (self._len == 0 or self._positions is not None)
+        if self._keys is None:
+            self._keys, self._values, self._len = keys, values, keys.shape[2]
+            self._positions = positions if track else None
+            return keys, values
+        if torch.is_grad_enabled() and (keys.requires_grad or self._keys.requires_grad):
+            self._positions = torch.cat([self.positions, positions], dim=1) if track else None
+            self._keys = torch.cat([self.keys, keys], dim=2)
+            self._values = torch.cat([self.values, values], dim=2)
+            self._len = self._keys.shape[2]
+            return self.keys, self.values
+        start, end = self._len, self._len + keys.shape[2]
+        if not track:
+            self._positions = None
+        if end > self._keys.shape[2] or self._keys.requires_grad:
+            self._grow(end)
+        self._keys[:, :, start:end] = keys
+        self._values[:, :, start:end] = values
+        if track:
+            self._positions[:, start:end] = positions
+        self._len = end
+        return self.keys, self.values
+
+    def drop_oldest(self, n: int) -> None:
+        """Forget the `n` oldest tokens (generation past the context with slide="roll").
+        A view, no copy: the next append that outgrows it copies, doubling as ever."""
+        if n <= 0:
+            return
+        self._keys, self._values = self._keys[:, :, n:], self._values[:, :, n:]
+        if self._positions is not None:
+            self._positions = self._positions[:, n:]
+        self._len -= n
+
+    def _grow(self, needed: int):
+        # (b, num_kv_heads, capacity, head_dim), capacity doubling: O(1) amortized appends
+        capacity = max(needed, 2 * self._len, 64)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self._len] = old[:, :, : self._len]
+            setattr(self, name, new)
+        if self._positions is not None:  # (b, capacity)
+            old = self._positions
+            self._positions = old.new_empty(old.shape[0], capacity)
+            self._positions[:, : self._len] = old[:, : self._len]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self-attention, constructed exactly as the book's Listing 3.5.
+
+    The parameters `W_query`, `W_key`, `W_value`, `out_proj` are created in the book's
+    order, so under the same `torch.manual_seed` this module starts from the book's
+    weights and prints the book's numbers.
+
+    Beyond the book, as keyword-only options:
+        num_kv_heads: grouped-query attention; `num_kv_heads` key/value heads, each shared
+            by `num_heads // num_kv_heads` query heads (1 is multi-query attention).
+        window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
+            (with causal=False: keys less than window_size away on either side).
+        causal: False attends both ways, as a bidirectional encoder does.
+        backend: a kernel's name in gptmini.attention.kernels: "sdpa" (default), "explicit", "flex",
+            "tiled", or one registered there. Assigning `backend` later swaps the kernel.
+        rope_theta: rotate queries and keys by their positions (rotary embeddings, base
+            rope_theta; gptmini.attention.positions); None: no rotation (the book's).
+        qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
+            OLMo 2 do), which keeps the scores' scale in check.
+        out_bias: a bias in out_proj (the book's); Llama-style models have none.
+        alibi: add ALiBi's per-head distance penalties to the scores (gptmini.attention.masks).
+        softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        num_kv_heads: int | None = None,
+        window_size: int | None = None,
+        causal: bool = True,
+        backend: str = "sdpa",
+        rope_theta: float | None = None,
+        qk_norm: bool = False,
+        out_bias: bool = True,
+        alibi: bool = False,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or d_out % num_heads != 0:
+            raise ValueError(
+                f"d_out must be divisible by num_heads, got d_out={d_out}, "
+                f"num_heads={num_heads}; pick num_heads among the divisors of d_out"
+            )
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads}; use a divisor of num_heads (1 = multi-query)"
+            )
+        if window_size is not None and window_size < 1:
+            raise ValueError(
+                f"window_size must be at least 1, got {window_size}; "
+                "use None for full causal attention"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if rope_theta is not None and ((d_out // num_heads) % 2 or rope_theta <= 0):
+            raise ValueError(
+                f"rotary embeddings need an even head_dim and rope_theta > 0, got head_dim="
+                f"{d_out // num_heads}, rope_theta={rope_theta}; pick num_heads so that "
+                "d_out / num_heads is even")
+        self.d_out = d_out
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = d_out // num_heads
+        self.context_length = context_length
+        self.window_size = window_size
+        self.causal = causal
+        self.rope_theta = rope_theta
+        self.alibi, self.softcap = alibi, softcap
+        self.backend = backend  # builds self.kernel
+
+        kv_dim = num_kv_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)  # combines the heads' outputs
+        self.dropout = nn.Dropout(dropout)
+        if qk_norm:  # one gain per head dimension, shared by the heads
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+        self.qk_norm = qk_norm
+        # The book registers its triangular mask as a buffer; here masks are built per call
+        # (gptmini.attention.context), so they also cover caches, windows, padding and
+        # documents, and checkpoints do not carry a context_length^2 tensor per layer. The
+        # book's state dicts still load: their "mask" entry is dropped, as it is fixed by
+        # context_length.
+        self.register_load_state_dict_pre_hook(_drop_book_mask)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str):
+        self.kernel = make_kernel(name)  # raises, naming the choices, for an unknown name
+        self._backend = name
+
+    def forward(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        document_ids: Tensor | None = None,
+        kv_cache: BaseKVCache | None = None,
+        return_weights: bool = False,
+        context: AttentionContext | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend over `x` (and the cached tokens before it).
+
+        Args:
+            x: (b, num_tokens, d_in).
+            attention_mask: optional (b, num_keys) mask of real tokens (1) and padding (0),
+                covering cached and new tokens.
+            document_ids: optional (b, num_keys) id of each token's document, for several
+                documents packed in one window: a query sees only its own document's keys.
+            kv_cache: optional cache; the new keys and values are appended to it.
+            return_weights: also return the attention weights, computed on the explicit
+                path (the weights the output was really computed from).
+            context: the forward pass's AttentionContext, built once by the model for
+                every layer; then attention_mask and document_ids are already in it. None:
+                built here from the arguments above.
+            positions: (b, num_tokens) positions of x's tokens, where they are not 0, 1, ...
+                after the cache (rotary attention called alone); None: counted as usual.
+
+        Returns:
+            (b, num_tokens, d_out), and with `return_weights` the weights
+            (b, num_heads, num_tokens, num_keys). A query with no key to attend (a
+            left-padding position) gets zero weights and a zero output, never NaN.
+        """
+        b, num_tokens, _ = x.shape
+        num_cached = len(kv_cache) if kv_cache is not None else 0
+        ragged = context.ragged if context is not None else None
+        if ragged is not None:  # an engine step: its sequences' lengths are checked there
+            num_cached = context.num_keys - num_tokens
+        elif num_cached + num_tokens > self.context_length:
+            raise ValueError(
+                f"attention got {num_cached + num_tokens} positions but context_length is "
+                f"{self.context_length}; crop the input to its last {self.context_length} "
+                "tokens"
+            )
+        context = self._check_context(context, b, num_tokens, num_cached, attention_mask,
+                                      document_ids, kv_cache is not None, x.device, positions)
+        queries = self.W_query(x)  # (b, num_tokens, d_out)
+        keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
+        values = self.W_value(x)
+
+        # (b, num_tokens, num_heads, head_dim) -> (b, num_heads, num_tokens, head_dim)
+        queries = queries.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = keys.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.rope_theta is not None:  # rotated at their positions, then cached
+            cos, sin = context.rope(self.head_dim, self.rope_theta, queries.dtype)
+            queries, keys = apply_rope(queries, cos, sin), apply_rope(keys, cos, sin)
+
+        if kv_cache is not None:
+            # (b, num_kv_heads, num_keys, head_dim)
+            keys, values = kv_cache.update(keys, values, context.positions)
+
+        dropout_p = self.dropout.p if self.training else 0.0
+        weights = None
+        if ragged is not None:  # one row per sequence for attention, then packed again
+            if return_weights:
+                raise ValueError("return_weights needs one sequence per row; an engine "
+                                 "step's packed sequences have no such weights")
+            queries, outer, context = ragged.unpack(queries), context, ragged.context
+        if return_weights:
+            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
+        else:
+            if dropout_p > 0 and not self.kernel.has_dropout:
+                raise ValueError(
+                    f"the {self.backend} attention backend has no attention dropout, and this "
+                    f"module is training with dropout {dropout_p}: set the attention dropout "
+                    "to 0 (--model.attn_drop_rate 0) or use the sdpa or explicit backend"
+                )
+            context_vec = self.kernel(queries, keys, values, context, dropout_p)
+        if ragged is not None:
+            context_vec, context = ragged.pack(context_vec), outer
+
+        # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
+        context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
+        out = self.out_proj(context_vec)
+        empty_rows = context.empty_rows()  # (b, num_tokens) or None
+        if empty_rows is not None:
+            out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
+        return (out, weights) if return_weights else out
+
+    def _check_context(self, context, b, num_tokens, num_cached, attention_mask, document_ids,
+                       uses_cache, device, positions) -> AttentionContext:
+        if context is None:
+            return AttentionContext.build(
+                b, num_tokens, num_cached, causal=self.causal, window_size=self.window_size,
+                attention_mask=attention_mask, document_ids=document_ids,
+                uses_cache=uses_cache, alibi_heads=self.num_heads if self.alibi else None,
+                softcap=self.softcap, positions=positions, device=device)
+        if attention_mask is not None or document_ids is not None or positions is not None:
+            raise ValueError("pass attention_mask, document_ids and positions to "
+                             "AttentionContext.build, not beside a context that holds them")
+        if (context.batch, context.num_tokens, context.num_keys) != (
+                b, num_tokens, num_cached + num_tokens):
+            raise ValueError(
+                f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
+                f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
+                f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
+        mine = (self.causal, self.window_size, self.num_heads if self.alibi else None,
+                self.softcap)
+        theirs = (context.causal, context.window_size, context.alibi_heads, context.softcap)
+        if mine != theirs:
+            names = ("causal", "window_size", "alibi_heads", "softcap")
+            raise ValueError(
+                "the context was built with " + ", ".join(
+                    f"{n}={v}" for n, v in zip(names, theirs, strict=True)) + ", but this "
+                "layer has " + ", ".join(f"{n}={v}" for n, v in zip(names, mine, strict=True))
+                + "; build it with the layer's settings (GPTModel.new_context does)")
+        return context
+
+
+def _drop_book_mask(module, state_dict, prefix, *args):
+    state_dict.pop(prefix + "mask", None)

@@ -1,0 +1,278 @@
+"""The checkpoint format, written and read here only; and from a path to a model.
+
+`load_checkpoint` is the one way generate.py, visualize.py and the export read a model. A
+gptmini checkpoint is what Lightning saves for the training module (a `torch.save`d dict),
+with the entries `write_model_entries` adds at every save:
+
+    {"state_dict": {"model.<GPTModel key>": tensor, ...},
+     "hyper_parameters": {"tokenizer": "gpt2", <GPTConfig fields>, <training settings>},
+     "model_config": {<every GPTConfig field>},  # since padded_vocab_size; older ones lack it
+     "tokenizer": {"format": ..., "name": ..., <tokens, unless GPT-2's>},  # older: gpt2
+     "precision": "bf16-mixed",  # what a resume's --trainer.precision auto keeps
+     ...Lightning's own keys (epoch, global_step, optimizer_states, loops, callbacks)...}
+
+It is always read with `torch.load(weights_only=True)`: tensors, numbers, strings and
+containers only, so a checkpoint cannot run code when it is opened. A directory in the
+Hugging Face GPT-2 layout (config.json + weights) is read through `convert`.
+"""
+
+import json
+import pickle
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import NamedTuple
+
+import tiktoken
+import torch
+
+from gptmini.convert import load_hf
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.runtime import auto_dtype
+from gptmini.tokenizer import (
+    FORMAT,
+    from_hf_tokenizer,
+    get_tokenizer,
+    tokenizer_from_dict,
+    tokenizer_to_dict,
+)
+
+__all__ = [
+    "CONFIG_FIELDS",
+    "MODEL_PREFIX",
+    "LoadedModel",
+    "check_readable",
+    "load_checkpoint",
+    "load_on_device",
+    "model_config",
+    "read_checkpoint",
+    "tokenizer_entry",
+    "training_steps",
+    "write_model_entries",
+]
+
+CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
+MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
+# The fields a config cannot do without; the others have defaults.
+_REQUIRED = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")
+
+
+class LoadedModel(NamedTuple):
+    model: GPTModel
+    """In eval mode, on the requested device."""
+    tokenizer: tiktoken.Encoding
+    hparams: dict
+    """The checkpoint's hyper_parameters; for a Hugging Face directory, the GPTConfig fields."""
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Rebuild a trained model and its tokenizer from `path`.
+
+    Args:
+        path: a gptmini `.ckpt` file, or a Hugging Face GPT-2 directory (`config.json` and
+            `model.safetensors` or `pytorch_model.bin`).
+        map_location: device for the weights and the model.
+
+    Returns:
+        (model in eval mode, tokenizer, hyper_parameters dict).
+
+    Raises:
+        FileNotFoundError: nothing at `path`.
+        ValueError: the file is corrupt or truncated, needs arbitrary unpickling, is not a
+            gptmini checkpoint, or its weights do not fit its configuration.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; pass the .ckpt file that train.py saved (look under "
+            "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
+        )
+    if path.is_dir():
+        model = load_hf(path)
+        tokenizer = _hf_directory_tokenizer(path, model.cfg.position == "learned")
+        model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
+        hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+        return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
+
+    ckpt = read_checkpoint(path, map_location)
+    hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(hparams, dict) or not isinstance(state, dict):
+        found = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(
+            f"{path} is not a gptmini checkpoint: expected a dict with 'state_dict' and "
+            f"'hyper_parameters' (what train.py saves), found {found}"
+        )
+    model_state = _model_state(state)
+    if not model_state:
+        raise ValueError(
+            f"{path} is not a gptmini checkpoint: no '{MODEL_PREFIX}' weights in its state_dict "
+            f"(first keys: {sorted(state)[:5]})"
+        )
+    try:
+        tokenizer = tokenizer_from_dict(tokenizer_entry(ckpt), f"{path}'s tokenizer")
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+    try:
+        cfg = model_config(ckpt, tokenizer.n_vocab)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from err
+
+    model = GPTModel(cfg)
+    if cfg.tie_weights and "out_head.weight" not in model_state:
+        # One copy is enough for a tied head; some writers keep only the embedding.
+        model_state["out_head.weight"] = model_state.get("tok_emb.weight")
+    try:
+        model.load_state_dict(model_state, strict=True)
+    except RuntimeError as err:
+        problems = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            f"{path}: the weights do not match the model its hyper_parameters describe "
+            f"({cfg}): {'; '.join(problems[:3])}{more}"
+        ) from None
+    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def load_on_device(path: str | Path, device: torch.device | str, dtype: str) -> LoadedModel:
+    """`load_checkpoint` onto `device`, in `dtype` (a name `gptmini.runtime.auto_dtype` takes:
+    auto, float32, bfloat16, float64): what --device and --dtype of the commands load."""
+    model, tokenizer, hparams = load_checkpoint(path, map_location=device)
+    return LoadedModel(model.to(auto_dtype(dtype, device)), tokenizer, hparams)
+
+
+def training_steps(path: str | Path) -> int | None:
+    """The optimizer steps a gptmini checkpoint was saved after (Lightning's `global_step`);
+    None for a Hugging Face directory or a file without the count. Memory-maps the file,
+    so a large checkpoint is not read twice."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    ckpt = read_checkpoint(path, mmap=True)
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _hf_directory_tokenizer(path: Path, gpt2_layout: bool) -> tiktoken.Encoding:
+    """A directory's tokenizer.json as tiktoken's; GPT-2's vocabulary for a GPT-2 directory
+    without one (as the hub's gpt2 ships it)."""
+    hf_tokenizer = path / "tokenizer.json"
+    if not hf_tokenizer.is_file():
+        if gpt2_layout:
+            return get_tokenizer("gpt2")
+        raise ValueError(f"{path} has no tokenizer.json: a Llama directory brings its own "
+                         "vocabulary, and no other would fit its embeddings")
+    data = json.loads(hf_tokenizer.read_text())
+    try:
+        return from_hf_tokenizer(data, path.name)
+    except ValueError as err:
+        kind = (data.get("model") or {}).get("type", "unknown")
+        raise ValueError(
+            f"{hf_tokenizer} cannot be used: gptmini encodes text with tiktoken, which "
+            f"represents byte-level BPE vocabularies only (GPT-2's, Llama 3's), and this one "
+            f"is a {kind} model without them ({err}); SentencePiece vocabularies such as "
+            "Llama 2's have no tiktoken form. Load the weights with "
+            "gptmini.convert.load_hf and tokenize with the directory's own tokenizer"
+        ) from None
+
+
+def write_model_entries(checkpoint: dict, cfg: GPTConfig, tokenizer: tiktoken.Encoding,
+                        precision: str) -> None:
+    """Add to a checkpoint being saved what rebuilds its model without the training code:
+    the whole config, the vocabulary itself (by name for GPT-2's), and the precision."""
+    checkpoint["model_config"] = cfg.to_dict()
+    checkpoint["tokenizer"] = tokenizer_to_dict(tokenizer)
+    checkpoint["precision"] = precision
+
+
+def tokenizer_entry(ckpt: dict) -> dict:
+    """A checkpoint's tokenizer entry (`tokenizer_from_dict` rebuilds it). Checkpoints hold
+    their vocabulary; older ones only its name in hyper_parameters, and GPT-2's at first."""
+    saved = ckpt.get("tokenizer")
+    if saved is not None:
+        return saved
+    return {"format": FORMAT, "name": str(ckpt.get("hyper_parameters", {}).get("tokenizer",
+                                                                              "gpt2"))}
+
+
+def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
+    """The `GPTConfig` a checkpoint was trained with, for a tokenizer of `n_vocab` ids.
+
+    Newer checkpoints carry it whole ("model_config"); older ones only as hyper_parameters,
+    where a vocab_size wider than the tokenizer was padding (see `GPTConfig.fit_vocab`).
+
+    Raises:
+        ValueError: the fields are missing or do not make a valid GPTConfig.
+    """
+    saved = ckpt.get("model_config") or ckpt.get("hyper_parameters") or {}
+    missing = [name for name in _REQUIRED if name not in saved]
+    if missing:
+        raise ValueError(
+            f"not a gptmini checkpoint: its hyper_parameters lack the GPTConfig fields "
+            f"{missing}, so the model cannot be rebuilt (was it saved by another "
+            "LightningModule?)"
+        )
+    try:
+        cfg = GPTConfig(**{k: saved[k] for k in CONFIG_FIELDS if k in saved})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"its hyper_parameters do not make a GPTConfig: {err}") from err
+    return cfg.fit_vocab(n_vocab)
+
+
+def read_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False) -> object:
+    """`torch.load` with weights only: tensors, numbers, strings and containers.
+
+    Raises:
+        ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary
+            code to load (which is refused), naming the path and the fix.
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        # The weights-only unpickler names the global (a class or function) it would have had
+        # to import: only full unpickling rebuilds it, and that can run any code. Damaged
+        # bytes fail it too, naming an opcode instead.
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found is None:
+            raise _corrupt(path, err) from None
+        raise ValueError(
+            f"refusing to load {path}: it needs arbitrary code to load ({found.group(1)}), "
+            "which could run anything on this machine, so it was refused. gptmini "
+            "checkpoints hold only tensors, numbers and strings; if you trust where it came "
+            "from, re-save it with plain values"
+        ) from None
+    except Exception as err:  # torch reports damaged files as RuntimeError, EOFError, ...
+        raise _corrupt(path, err) from None
+
+
+def check_readable(path: str | Path) -> None:
+    """Fail now, with a clear message, if `path` is not a checkpoint torch can read safely.
+
+    Memory-maps the file, so even a large checkpoint costs little to check.
+
+    Raises:
+        ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary code.
+    """
+    read_checkpoint(path, "cpu", mmap=True)
+
+
+def _corrupt(path: Path, err: Exception) -> ValueError:
+    return ValueError(
+        f"cannot read {path}: it is corrupt, truncated or not a PyTorch checkpoint "
+        f"({type(err).__name__}: {str(err)[:200]}); re-copy it or pick another .ckpt"
+    )
+
+
+def _model_state(state: dict) -> dict:
+    """GPTModel keys from the training module's state_dict."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith(MODEL_PREFIX):
+            key = key[len(MODEL_PREFIX):]
+            # torch.compile wraps the module; its keys gain this prefix.
+            key = key.removeprefix("_orig_mod.")
+            out[key] = value
+    return out

@@ -1,0 +1,37 @@
+"""Hugging Face layouts in and out of `GPTModel`: GPT-2's (gpt2.py), Llama's and Qwen3's
+(llama.py), the directories on disk (hub.py). No `transformers` import is needed."""
+
+from gptmini.convert.gpt2 import (
+    TABLE,
+    config_from_hf,
+    config_to_hf,
+    from_hf_state_dict,
+    to_hf_state_dict,
+)
+from gptmini.convert.hub import export_hf, load_hf, read_hf_weights, write_tokenizer_files
+from gptmini.convert.llama import (
+    config_from_llama,
+    config_to_llama,
+    from_llama_state_dict,
+    interleaved_to_halves,
+    to_llama_state_dict,
+)
+from gptmini.convert.weights import model_from_weights
+
+__all__ = [
+    "TABLE",
+    "config_from_hf",
+    "config_from_llama",
+    "config_to_hf",
+    "config_to_llama",
+    "export_hf",
+    "from_hf_state_dict",
+    "from_llama_state_dict",
+    "interleaved_to_halves",
+    "load_hf",
+    "model_from_weights",
+    "read_hf_weights",
+    "to_hf_state_dict",
+    "to_llama_state_dict",
+    "write_tokenizer_files",
+]

@@ -1,0 +1,116 @@
+"""Hugging Face model directories on disk: `config.json` plus `model.safetensors` (or
+`pytorch_model.bin`), read into a GPTModel and written from one, GPT-2's layout or Llama's
+picked by the config."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tiktoken import Encoding
+from torch import Tensor
+
+from gptmini.convert.gpt2 import config_to_hf, from_hf_state_dict, to_hf_state_dict
+from gptmini.convert.llama import config_to_llama, from_llama_state_dict, to_llama_state_dict
+from gptmini.model import GPTModel
+from gptmini.tokenizer import to_hf_tokenizer
+
+__all__ = ["export_hf", "load_hf", "read_hf_weights", "write_tokenizer_files"]
+
+
+def load_hf(directory: str | Path) -> GPTModel:
+    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2 or Llama directory."""
+    hf_config, state = read_hf_weights(directory)
+    if hf_config.get("model_type") in ("llama", "qwen3"):
+        return from_llama_state_dict(state, hf_config)
+    return from_hf_state_dict(state, hf_config)
+
+
+def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """`config.json` and the weights of a Hugging Face directory: `model.safetensors` (or a
+    sharded `model.safetensors.index.json`, or `pytorch_model.bin` with weights only)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a Hugging Face model directory: no config.json "
+            "(save one with save_pretrained or gptmini.convert.export_hf)"
+        )
+    hf_config = json.loads(config_path.read_text())
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    bin_file = directory / "pytorch_model.bin"
+    try:
+        if single.is_file():
+            state = load_file(single)
+        elif index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state = {k: v for shard in shards for k, v in load_file(directory / shard).items()}
+        elif bin_file.is_file():
+            state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(
+                f"{directory} has config.json but no weights (model.safetensors or "
+                "pytorch_model.bin)"
+            )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(
+            f"cannot read the weights in {directory}: they are truncated or damaged "
+            f"({type(err).__name__}: {str(err)[:200]}); download them again"
+        ) from None
+    return hf_config, state
+
+
+def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
+              ) -> Path:
+    """Write `model` as a GPT-2 directory that `transformers` loads (a model of Llama's
+    architecture, rotary + SwiGLU, as a `LlamaForCausalLM` directory: gptmini.convert.llama).
+
+    The directory holds `config.json` and `model.safetensors`, and
+    `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,
+    also its `tokenizer.json` and `tokenizer_config.json`, so that
+    `AutoTokenizer.from_pretrained(directory)` encodes text to the ids the model was
+    trained on (and `load_checkpoint(directory)` reads the vocabulary back). A checkpoint
+    carries both: `loaded = load_checkpoint(path); export_hf(loaded.model, directory,
+    loaded.tokenizer)`.
+
+    Raises:
+        ValueError: the model uses grouped-query or sliding-window attention, or
+            `tokenizer` does not have the model's number of ids.
+    """
+    if model.cfg.position == "rope" and model.cfg.mlp == "swiglu":  # Llama's architecture
+        hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
+    else:
+        hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
+    state = {k: v.cpu() for k, v in state.items()}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        write_tokenizer_files(model, tokenizer, directory, hf_config)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return directory
+
+
+def write_tokenizer_files(model: GPTModel, tokenizer: Encoding, directory: Path,
+                          hf_config: dict) -> None:
+    """`tokenizer.json` and `tokenizer_config.json` for `AutoTokenizer`, and the end token
+    as the config's bos/eos ids.
+
+    Raises:
+        ValueError: `tokenizer` does not have the model's number of ids.
+    """
+    if tokenizer.n_vocab != model.cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the model "
+            f"{model.cfg.vocab_size}: export the tokenizer the model was trained with "
+            "(load_checkpoint(path).tokenizer)"
+        )
+    hf_config.update(bos_token_id=tokenizer.eot_token, eos_token_id=tokenizer.eot_token)
+    (directory / "tokenizer.json").write_text(json.dumps(to_hf_tokenizer(tokenizer)))
+    end = tokenizer.decode_single_token_bytes(tokenizer.eot_token).decode()
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end,
+                "eos_token": end, "model_max_length": model.cfg.context_length}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")

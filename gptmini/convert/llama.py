@@ -1,0 +1,183 @@
+"""Llama's Hugging Face layout to and from `GPTModel` (and Qwen3's: Llama's with QK-norm).
+
+RoPE + RMSNorm + SwiGLU + no biases + an untied head (+ grouped-query attention) is Llama's
+architecture: a `GPTConfig` with those options is one, and its weights map one to one onto
+`transformers`' `LlamaForCausalLM` (`TABLE`). Both store `nn.Linear` weights as
+(out_features, in_features), so nothing is transposed.
+
+Rotary layout: gptmini rotates each head's dimension i with dimension i + head_dim / 2,
+as `transformers` does (`rotate_half`), so Hugging Face Llama weights load as they are.
+Meta's original checkpoints rotate interleaved pairs (2i, 2i + 1) instead; their query and
+key projections become ours by permuting each head's rows (`interleaved_to_halves`), which
+is what `transformers`' own conversion script does.
+
+A directory is read and written without importing `transformers`: `config.json` and
+`model.safetensors`, by gptmini.convert's `load_hf` and `export_hf`, which use this layout
+for `model_type: llama` and for a model of Llama's architecture.
+"""
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from gptmini.convert.weights import model_from_weights
+from gptmini.model import GPTConfig, GPTModel
+
+__all__ = ["TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
+           "interleaved_to_halves", "to_llama_state_dict"]
+
+TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
+    ("tok_emb.weight", "model.embed_tokens.weight"),
+    ("trf_blocks.{i}.norm1.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("trf_blocks.{i}.att.W_query.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("trf_blocks.{i}.att.W_key.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("trf_blocks.{i}.att.W_value.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("trf_blocks.{i}.att.out_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("trf_blocks.{i}.norm2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("trf_blocks.{i}.ff.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("trf_blocks.{i}.ff.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("trf_blocks.{i}.ff.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("final_norm.weight", "model.norm.weight"),
+    ("out_head.weight", "lm_head.weight"),
+]
+QK_NORM_TABLE: list[tuple[str, str]] = [  # Qwen3's additions: RMSNorm of each head's q, k
+    ("trf_blocks.{i}.att.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("trf_blocks.{i}.att.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+]
+QK_NORM_EPS = 1e-6
+"""gptmini's QK-norm epsilon; Qwen3 uses its one rms_norm_eps there too, so a model exports
+as Qwen3 only with norm_eps equal to it."""
+LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+         "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None}
+"""The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
+
+
+def _expand(n_layers: int, qk_norm: bool = False) -> list[tuple[str, str]]:
+    table = TABLE + (QK_NORM_TABLE if qk_norm else [])
+    return [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in table
+            for i in (range(n_layers) if "{i}" in ours else [0])]
+
+
+def config_from_llama(hf_config: Mapping) -> GPTConfig:
+    """The GPTConfig of a Llama `config.json` dict.
+
+    Raises:
+        ValueError: what the config asks for that GPTModel does not have (biases, rope
+            scaling, another activation, a head size other than hidden / heads).
+    """
+    c = dict(hf_config)
+    heads = c["num_attention_heads"]
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    problems = []
+    if c.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={c['hidden_act']!r} (SwiGLU here is SiLU-gated)")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        problems.append("attention_bias/mlp_bias (gptmini's Llama layout has no biases)")
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} (only "
+                        "plain rotary positions)")
+    if c.get("head_dim", c["hidden_size"] // heads) != c["hidden_size"] // heads:
+        problems.append(f"head_dim={c['head_dim']} (gptmini's is hidden_size / heads)")
+    qk_norm = c.get("model_type") == "qwen3"
+    if qk_norm and c.get("rms_norm_eps", QK_NORM_EPS) != QK_NORM_EPS:
+        problems.append(f"rms_norm_eps={c['rms_norm_eps']} with QK-norm (gptmini's QK-norm "
+                        f"uses {QK_NORM_EPS})")
+    if qk_norm and c.get("use_sliding_window"):
+        problems.append("use_sliding_window (gptmini's windows are not Qwen3's per layer)")
+    if problems:
+        raise ValueError("this Llama config cannot be loaded into GPTModel: "
+                         + "; ".join(problems))
+    kv_heads = c.get("num_key_value_heads") or heads
+    return GPTConfig(
+        vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"],
+        emb_dim=c["hidden_size"], n_heads=heads, n_layers=c["num_hidden_layers"],
+        drop_rate=0.0, n_kv_heads=None if kv_heads == heads else kv_heads,
+        tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=float(theta),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)), mlp_hidden_dim=c["intermediate_size"],
+        qk_norm=qk_norm, **{k: v for k, v in LLAMA.items() if k not in ("qk_norm",
+                                                                          "attn_softcap")},
+    )
+
+
+def config_to_llama(cfg: GPTConfig) -> dict:
+    """A `config.json` dict that `transformers.LlamaConfig` reads as `cfg` (with qk_norm,
+    one that `Qwen3Config` reads).
+
+    Raises:
+        ValueError: `cfg` is not Llama's architecture (the options it lacks are named).
+    """
+    differ = [f"{k}={getattr(cfg, k)!r}" for k, v in LLAMA.items()
+              if getattr(cfg, k) != v and k != "qk_norm"]
+    if differ:
+        raise ValueError(
+            "Llama's layout is rotary positions, RMSNorm, SwiGLU, no biases, no soft-cap and "
+            f"full attention (Qwen3's adds QK-norm); this model has {', '.join(differ)}. "
+            "Export it with " + ", ".join(f"{k}={v!r}" for k, v in LLAMA.items()
+                                          if k != "qk_norm"))
+    if cfg.qk_norm and cfg.norm_eps != QK_NORM_EPS:
+        raise ValueError(
+            f"Qwen3's layout (Llama's with QK-norm) has one rms_norm_eps, and gptmini's QK-norm "
+            f"uses {QK_NORM_EPS}; this model has norm_eps={cfg.norm_eps}. Train with "
+            f"--model.norm_eps {QK_NORM_EPS} to export it")
+    qwen = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+            "use_sliding_window": False}
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_width,
+        "hidden_size": cfg.emb_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "head_dim": cfg.emb_dim // cfg.n_heads,
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_weights,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        **(qwen if cfg.qk_norm else {}),
+    }
+
+
+def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:
+    """A `GPTModel` (eval mode) holding a `LlamaForCausalLM`'s weights."""
+    cfg = config_from_llama(hf_config)
+    ours, seen = {}, set()
+    for name, hf_name in _expand(cfg.n_layers, cfg.qk_norm):
+        if name == "out_head.weight" and cfg.tie_weights:
+            continue
+        if hf_name not in state_dict:
+            raise ValueError(f"the Llama state dict has no {hf_name!r} (needed for {name})")
+        ours[name] = state_dict[hf_name]
+        seen.add(hf_name)
+    unknown = sorted(k for k in set(state_dict) - seen
+                     if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+    return model_from_weights(cfg, ours, unknown, "Llama")
+
+
+def to_llama_state_dict(model: GPTModel) -> dict[str, Tensor]:
+    """`LlamaForCausalLM` keys for `model`'s weights (contiguous copies; a tied head is
+    left out, as `save_pretrained` does)."""
+    config_to_llama(model.cfg)  # raises for what Llama's layout cannot hold
+    ours = model.state_dict()
+    return {hf_name: ours[name].detach().clone().contiguous()
+            for name, hf_name in _expand(model.cfg.n_layers, model.cfg.qk_norm)
+            if not (name == "out_head.weight" and model.cfg.tie_weights)}
+
+
+def interleaved_to_halves(weight: Tensor, n_heads: int) -> Tensor:
+    """A query or key projection (n_heads * head_dim, in) of Meta's interleaved rotary
+    layout (pairs 2i, 2i + 1) as ours (halves i, i + head_dim / 2): each head's rows are
+    reordered so that pair i's two rows become rows i and i + head_dim / 2."""
+    out_features = weight.shape[0]
+    head_dim = out_features // n_heads
+    # (n_heads, head_dim / 2, 2, in) -> (n_heads, 2, head_dim / 2, in)
+    return (weight.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2)
+            .reshape(out_features, -1))

@@ -1,0 +1,107 @@
+"""`generate.py`: text from a checkpoint, one prompt at a time or a batch file through the
+engine (argparse main)."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from gptmini.checkpoint import load_on_device
+from gptmini.generate.batch_file import generate_batch
+from gptmini.generate.loop import stream_text
+from gptmini.generate.sampling import SEED_RANGE, SamplingParams
+from gptmini.runtime import add_device_options, resolve_device
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The `generate.py` command line."""
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path,
+                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+    source.add_argument("--hf", type=Path, help="the same as --checkpoint (kept for scripts)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")
+    text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
+    text.add_argument("--batch_file", type=Path,
+                      help="many prompts, batched by the engine: one per line, or .jsonl "
+                           "records with \"prompt\" (and optional max_new_tokens, "
+                           "temperature, top_k, top_p, seed, stop); one JSON result per "
+                           "prompt, in order, to --output")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="with --batch_file: write the results here (default: stdout)")
+    parser.add_argument("--max_batch", type=int, default=32,
+                        help="with --batch_file: most requests decoded at once")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
+    parser.add_argument("--top_p", type=float, default=None, help="nucleus threshold in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they come")
+    add_device_options(parser)
+    return parser
+
+
+def generate_main(argv: Sequence[str] | None = None) -> int:
+    """Run `generate.py` with `argv` (default `sys.argv[1:]`); print the samples.
+
+    Samples are drawn one after another from one generator, so the output is the same
+    with and without `--stream`. Bad arguments exit with status 2 and a message.
+    """
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
+    try:
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=top_k, top_p=args.top_p)  # checks them, naming the bad one
+        if args.num_samples < 1 or args.max_batch < 1:
+            raise ValueError(f"--num_samples >= 1 and --max_batch >= 1 are needed, got "
+                             f"--num_samples {args.num_samples} --max_batch {args.max_batch}")
+        if args.seed is not None and not SEED_RANGE[0] <= args.seed < SEED_RANGE[1] - 2**32:
+            raise ValueError(f"--seed {args.seed} is out of range: use an integer of 64 bits, "
+                             f"from {SEED_RANGE[0]} to {SEED_RANGE[1] - 2**32 - 1}")
+        device = resolve_device(args.device)
+        if args.prompt_file is not None:
+            if not args.prompt_file.is_file():
+                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
+            try:
+                prompt = args.prompt_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
+                                 f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
+        else:
+            prompt = args.prompt
+        model, tokenizer, _ = load_on_device(args.checkpoint or args.hf, device, args.dtype)
+        if args.batch_file is not None:
+            return generate_batch(model, tokenizer, args, top_k)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        parser.error(str(err))
+
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = sys.stdout
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
+        out.write(prompt)
+        out.flush()
+        pieces = stream_text(
+            model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
+            top_k=top_k, top_p=args.top_p, generator=generator,
+        )
+        if args.stream:
+            for piece in pieces:
+                out.write(piece)
+                out.flush()
+        else:
+            out.write("".join(pieces))
+        out.write("\n")
+        out.flush()
+    return 0

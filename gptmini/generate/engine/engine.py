@@ -1,0 +1,234 @@
+"""Continuous batching: many requests through one model, over a paged KV cache.
+
+Each `step` does what a chapter 4 reader would do by hand for a batch, but with requests
+that come and go:
+
+1. take the requests added since the last step (from any thread) and drop cancelled ones;
+2. *schedule* (gptmini.generate.engine.scheduler): admit waiting requests while the pool has blocks
+   for their prompts (reusing cached blocks of a prefix seen before), and pick the tokens
+   to compute: the newest token of every decoding request, and prompts (or chunks of
+   them, within a per-step token budget) of those being prefilled;
+3. *run* (gptmini.generate.engine.runner): one forward pass over all those tokens packed in one row,
+   each sequence attending to its own blocks, writing their keys and values there;
+4. *sample* every request whose tokens are all computed, in one call, each with its own
+   settings and random generator, and finish requests that drew a stop token, wrote a stop
+   string or reached max_new_tokens; the next step a new request takes a finished one's
+   place.
+
+A preempted request keeps its generator, so its text is the same as if it had never been
+preempted. Positions are each request's own, counted from its first token (from the first
+token kept, once it slides past `context_length` as `generate()` does). Unlike
+`generate()`, which crops a prompt that is too long, the engine refuses it: silently
+dropping the start of a prompt is not what a server's client asked for.
+"""
+
+import itertools
+import math
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gptmini.generate.engine.request import Request
+from gptmini.generate.engine.runner import ModelRunner
+from gptmini.generate.engine.scheduler import Scheduler
+from gptmini.generate.sampling import Detokenizer, SamplingParams, sample, token_logprobs
+
+
+class Engine:
+    """Generate for many requests at once from one `GPTModel` (see the module docstring).
+
+    Args:
+        model: a `GPTModel`; put in eval mode. Its dtype and device are the cache's.
+        tokenizer: a tiktoken `Encoding`, needed for stop strings and `Request.text`.
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool (all layers together); None: enough for
+            `max_batch` requests of `context_length` tokens.
+        max_batch: most requests running at once.
+        max_step_tokens: most tokens one step computes (decodes first, one token each;
+            prefills share what is left, a longer prompt over several steps). None:
+            `max(512, context_length)`.
+        prefix_caching: reuse the blocks of prompts that start the same way.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
+                 num_blocks: int | None = None, max_batch: int = 32,
+                 max_step_tokens: int | None = None, prefix_caching: bool = True):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.context = model.cfg.context_length
+        self.block_size, self.max_batch = block_size, max_batch
+        num_blocks = num_blocks or max_batch * math.ceil(self.context / block_size)
+        if max_step_tokens is None:
+            max_step_tokens = max(512, self.context)
+        if max_step_tokens < 1 or max_batch < 1:
+            raise ValueError(f"max_step_tokens and max_batch must be >= 1, got "
+                             f"{max_step_tokens} and {max_batch}")
+        self.scheduler = Scheduler(self.context, num_blocks, block_size, max_batch,
+                                   max_step_tokens, model.cfg.window_size, prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.device = self.runner.device
+        self._incoming: list[Request] = []
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.num_prefilled = 0
+        """Tokens computed for prompts, and for requests recomputing after a preemption or
+        a slide (the ones found in the prefix cache are not)."""
+
+    # the scheduler's state, as the engine's users read it
+    blocks = property(lambda self: self.scheduler.blocks)
+    pool = property(lambda self: self.runner.pool)
+    running = property(lambda self: self.scheduler.running)
+    waiting = property(lambda self: self.scheduler.waiting)
+    num_preemptions = property(lambda self: self.scheduler.num_preemptions)
+
+    # --- requests in ----------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    **settings) -> Request:
+        """Queue a prompt (token ids); safe from any thread. `settings` are
+        `SamplingParams` fields, for `params` not given.
+
+        Raises:
+            ValueError: an empty prompt, one longer than context_length, ids outside the
+                vocabulary, invalid sampling settings, stop strings without a tokenizer,
+                or a request the pool could never hold.
+        """
+        params = params or SamplingParams(**settings)  # checks itself
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; start it with <|endoftext|> "
+                             "(tokenizer.eot_token) to generate from nothing")
+        if len(prompt) > self.context:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but context_length is {self.context}; "
+                f"shorten it to at most {self.context} (the engine never crops a prompt)")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt ids must be in [0, {vocab}), got "
+                             f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer: Engine(model, "
+                             "tokenizer, ...)")
+        longest = min(len(prompt) + params.max_new_tokens, self.context)
+        if math.ceil(longest / self.block_size) > self.blocks.num_blocks:
+            raise ValueError(
+                f"this request can grow to {longest} tokens, more than the whole KV pool "
+                f"({self.blocks.num_blocks} blocks of {self.block_size}); raise num_blocks "
+                "or lower max_new_tokens")
+        request = Request(next(self._ids), prompt, params)
+        if self.tokenizer is not None:
+            request.detokenizer = Detokenizer(self.tokenizer, params.stop)
+        request.generator = params.generator(self.device)
+        if params.max_new_tokens == 0:
+            self._finish(request, "length")
+            return request
+        with self._lock:
+            self._incoming.append(request)
+        return request
+
+    def cancel(self, request: Request | int) -> None:
+        """Stop a request at the next step; its blocks go back to the pool. Any thread."""
+        with self._lock:
+            self._cancelled.add(request if isinstance(request, int) else request.id)
+
+    def abort(self, reason: str = "error") -> list[Request]:
+        """Finish every request, queued or running, with `reason`; their blocks go back.
+        After a failed step the server fails what was in flight and goes on. Call it from
+        the thread that steps the engine."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+        aborted = [*self.running, *self.waiting]
+        for request in aborted:
+            self._finish(request, reason)
+        return aborted
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._incoming)
+
+    # --- one step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Schedule, run the model once, and sample (see the module docstring)."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+            cancelled, self._cancelled = self._cancelled, set()
+        for request in [*self.waiting, *self.running]:
+            if request.id in cancelled:
+                self._finish(request, "cancelled")
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        self.num_prefilled += sum(c.num_new for c in chunks if not c.request.decoding)
+        rows = [c.request for c in chunks if c.samples]
+        logits = self.runner.run(chunks)  # (len(rows), vocab_size)
+        self.scheduler.computed(chunks)
+        if rows:  # one call samples the step, each row with its settings and generator
+            tokens = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+            found = self._logprobs(rows, logits, tokens)
+            for i, (request, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+                request.decoding = True
+                self._accept(request, token, found.get(i))
+
+    # --- tokens out -----------------------------------------------------------------
+
+    @staticmethod
+    def _logprobs(rows: list[Request], logits: Tensor, tokens: Tensor) -> dict:
+        """{row: TokenLogprobs} for the rows whose requests asked for logprobs."""
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not asking:
+            return {}
+        found = token_logprobs(logits[asking], tokens[asking],
+                               [rows[i].params.logprobs for i in asking])
+        return dict(zip(asking, found, strict=True))
+
+    def _accept(self, request: Request, token: int, logprobs=None) -> None:
+        p = request.params
+        if token in p.stop_ids:
+            self._finish(request, "stop")
+            return
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        request.tokens.append(token)
+        reason = "length" if len(request.tokens) >= p.max_new_tokens else None
+        if request.detokenizer is not None and request.detokenizer.add(token):
+            reason = "stop"
+        request.events.put(token)
+        if reason:
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request)
+        if request.detokenizer is not None:
+            request.detokenizer.finish()
+        request.finish_reason = reason
+        request.events.put(None)
+
+    # --- whole runs -----------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 **settings) -> list[Request]:
+        """Run `prompts` to the end, batched; the finished requests, in order."""
+        requests = [self.add_request(p, params, **settings) for p in prompts]
+        while not all(r.done for r in requests):
+            self.step()
+        return requests
+
+    def stream(self, request: Request) -> Iterator[int]:
+        """Yield `request`'s tokens as they come, stepping the engine while it waits (from
+        the thread that steps the engine; another thread may step it instead)."""
+        while True:
+            try:
+                token = request.events.get_nowait()
+            except queue.Empty:
+                self.step()
+                continue
+            if token is None:
+                return
+            yield token

@@ -1,0 +1,65 @@
+"""One request: its prompt, how it samples (`SamplingParams`, gptmini.generate.sampling), where it
+stands in the engine, and its text as its tokens come (a `Detokenizer`)."""
+
+import queue
+from dataclasses import dataclass, field
+
+import torch
+
+from gptmini.generate.sampling import Detokenizer, SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation; `tokens` grows as the engine steps."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    """Generated ids (stop ids excluded)."""
+    finish_reason: str | None = None
+    """None while running; then "length", "stop", "cancelled" (or `Engine.abort`'s)."""
+    logprobs: list = field(default_factory=list)
+    """With `params.logprobs` set: one `sampling.TokenLogprobs` per token of `tokens`."""
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    table: list[int] = field(default_factory=list)
+    """Block ids of the tokens in the cache, in order (-1: dropped behind the window)."""
+    names: list[bytes] = field(default_factory=list)
+    """Prefix-cache names of its full blocks, in order."""
+    start: int = 0
+    """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
+    num_cached: int = 0
+    """Tokens from `start` whose keys and values are in the blocks."""
+    sampled_at: int = -1
+    """The scheduler's step at which it last sampled a token (-1: never): prefills go least
+    recently served first."""
+    decoding: bool = False
+    """Its prompt is computed and it adds one token a step (until preempted or slid)."""
+    events: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    detokenizer: Detokenizer | None = field(default=None, repr=False)
+
+    @property
+    def text(self) -> str:
+        """The generated text, when the engine has a tokenizer (cut before a stop string;
+        a character split over tokens appears once whole)."""
+        return "" if self.detokenizer is None else self.detokenizer.text
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens from `start` on: what the cache holds once the request is up to date."""
+        return len(self.prompt) + len(self.tokens) - self.start
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to compute: 1 while decoding, more while (re)prefilling."""
+        return self.num_tokens - self.num_cached

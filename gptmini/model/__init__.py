@@ -1,0 +1,11 @@
+"""The model: `GPTConfig` (which checks itself) and its presets, the transformer blocks and
+`GPTModel` (gpt.py), and what a model costs in parameters and FLOPs (flops.py).
+
+Imports only torch, so `GPTModel` can be lifted into any training loop.
+"""
+
+from gptmini.model.config import GPT_CONFIG_124M, MLPS, NORMS, PRESETS, GPTConfig
+from gptmini.model.gpt import GPTModel, TransformerBlock, cross_entropy
+
+__all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "GPTConfig", "GPTModel",
+           "TransformerBlock", "cross_entropy"]

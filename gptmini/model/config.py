@@ -1,0 +1,202 @@
+"""The model's architecture as one dataclass that checks itself, the book's GPT-2 presets,
+and the modern options (rotary or ALiBi positions, RMSNorm, SwiGLU or ReLU², QK-norm,
+no biases, soft-capped scores) beside them."""
+
+from dataclasses import asdict, dataclass, replace
+
+from gptmini.attention.kernels import KERNELS
+from gptmini.attention.positions import POSITIONS
+
+__all__ = ["GPT_CONFIG_124M", "GPTConfig", "MLPS", "NORMS", "PRESETS"]
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu", "relu2")
+
+# The book's configuration dictionary, field for field.
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a GPT model, with the book's field names."""
+
+    vocab_size: int = 50257
+    """Number of token ids the tokenizer has; 50257 for GPT-2's BPE."""
+    context_length: int = 1024
+    """Most tokens the model sees at once (size of the position embedding)."""
+    emb_dim: int = 768
+    """Width of the residual stream."""
+    n_heads: int = 12
+    """Attention (query) heads per layer; must divide emb_dim."""
+    n_layers: int = 12
+    """Transformer blocks."""
+    drop_rate: float = 0.1
+    """Dropout on embeddings and residual branches, and on attention weights unless
+    attn_drop_rate says otherwise."""
+    qkv_bias: bool = False
+    """Bias in the query, key and value projections (GPT-2 has it)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads, 1 multi-query."""
+    window_size: int | None = None
+    """Sliding-window attention: each token sees this many most recent tokens; None = all."""
+    tie_weights: bool = False
+    """Share the token embedding with the output head (GPT-2 does; the book does not)."""
+    attention_backend: str = "sdpa"
+    """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
+    (FlexAttention, compiled; forward only on CPU) or tiled (flash attention from scratch)."""
+    attn_drop_rate: float | None = None
+    """Dropout on attention weights; None: drop_rate. flex and tiled train only with 0."""
+    padded_vocab_size: int | None = None
+    """Width of the embedding and output head, if wider than vocab_size (e.g. 50304, a multiple
+    of 64, for faster matmuls); the ids past vocab_size are never predicted. None: vocab_size."""
+    position: str = "learned"
+    """How positions enter: learned (the book's embedding), rope (rotary queries and keys),
+    alibi (per-head distance penalties on the scores) or none."""
+    rope_theta: float = 10000.0
+    """Rotary base: frequency i of a head is rope_theta ** (-2i / head_dim)."""
+    norm: str = "layernorm"
+    """layernorm (the book's) or rmsnorm (no mean, no bias: Llama's)."""
+    norm_eps: float = 1e-5
+    """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
+    mlp: str = "gelu"
+    """gelu (the book's 4x GELU), swiglu (gated SiLU, Llama's) or relu2 (squared ReLU)."""
+    mlp_hidden_dim: int | None = None
+    """The MLP's hidden width; None: 4 * emb_dim, or for swiglu 8/3 * emb_dim rounded up to a
+    multiple of 64 (about the parameters of 4x GELU)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before attending (Qwen3, OLMo 2)."""
+    bias: bool = True
+    """Biases in the attention's output projection, the MLP and LayerNorm (GPT-2 has them;
+    Llama has none). The query/key/value projections follow qkv_bias."""
+    attn_softcap: float | None = None
+    """Soft-cap the attention scores at this value (cap * tanh(score / cap), Gemma 2's);
+    None: no cap."""
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, fix: str):
+            if not ok:
+                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+
+        for field in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            value = getattr(self, field)
+            need(isinstance(value, int) and value >= 1, field, "use a positive integer")
+        need(
+            self.emb_dim % self.n_heads == 0,
+            "n_heads",
+            f"it must divide emb_dim={self.emb_dim}",
+        )
+        need(0.0 <= self.drop_rate < 1.0, "drop_rate", "use a value in [0, 1)")
+        if self.n_kv_heads is not None:
+            need(
+                isinstance(self.n_kv_heads, int)
+                and self.n_kv_heads >= 1
+                and self.n_heads % self.n_kv_heads == 0,
+                "n_kv_heads",
+                f"use a divisor of n_heads={self.n_heads}, or None for one per query head",
+            )
+        if self.window_size is not None:
+            need(
+                isinstance(self.window_size, int) and self.window_size >= 1,
+                "window_size",
+                "use a positive integer, or None for full causal attention",
+            )
+        need(
+            self.attention_backend in KERNELS,
+            "attention_backend",
+            f"use one of {', '.join(KERNELS)}",
+        )
+        if self.attn_drop_rate is not None:
+            need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
+                 "use a value in [0, 1), or None for drop_rate")
+        need(self.position in POSITIONS, "position", f"use one of {', '.join(POSITIONS)}")
+        need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
+        need(isinstance(self.norm_eps, int | float) and self.norm_eps > 0, "norm_eps",
+             "use a small positive number such as 1e-5")
+        need(self.mlp in MLPS, "mlp", f"use one of {', '.join(MLPS)}")
+        if self.position == "rope":
+            need((self.emb_dim // self.n_heads) % 2 == 0, "n_heads",
+                 f"rotary embeddings need an even head size, and emb_dim={self.emb_dim} / "
+                 f"n_heads={self.n_heads} is odd")
+            need(isinstance(self.rope_theta, int | float) and self.rope_theta > 0,
+                 "rope_theta", "use a positive base such as 10000")
+        if self.mlp_hidden_dim is not None:
+            need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
+                 "mlp_hidden_dim", "use a positive integer, or None for the default")
+        if self.attn_softcap is not None:
+            need(isinstance(self.attn_softcap, int | float) and self.attn_softcap > 0,
+                 "attn_softcap", "use a positive cap such as 50, or None for no cap")
+        if self.padded_vocab_size is not None:
+            need(
+                isinstance(self.padded_vocab_size, int)
+                and self.padded_vocab_size >= self.vocab_size,
+                "padded_vocab_size",
+                f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), or "
+                "None for no padding",
+            )
+
+    @property
+    def hidden_dim(self) -> int:
+        """The MLP's hidden width (see mlp_hidden_dim)."""
+        if self.mlp_hidden_dim is not None:
+            return self.mlp_hidden_dim
+        if self.mlp == "swiglu":
+            return -(-8 * self.emb_dim // 3 // 64) * 64
+        return 4 * self.emb_dim
+
+    @property
+    def vocab_width(self) -> int:
+        """Rows of the token embedding and the output head: padded_vocab_size or vocab_size."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def fit_vocab(self, n_vocab: int) -> "GPTConfig":
+        """This config for a tokenizer of `n_vocab` ids, with the same weight shapes.
+
+        A vocab_size wider than the tokenizer (checkpoints from before padded_vocab_size
+        existed, Hugging Face models with padded embeddings) is padding: it becomes
+        padded_vocab_size, and vocab_size the tokenizer's count.
+
+        Raises:
+            ValueError: the model has fewer ids than the tokenizer.
+        """
+        if n_vocab > self.vocab_size:
+            raise ValueError(
+                f"the model has vocab_size={self.vocab_size} but its tokenizer has {n_vocab} "
+                "ids; it was trained with another tokenizer"
+            )
+        if n_vocab == self.vocab_size:
+            return self
+        return replace(self, vocab_size=n_vocab, padded_vocab_size=self.vocab_width)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """A named preset (see `PRESETS`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_GPT2 = {"vocab_size": 50257, "context_length": 1024, "drop_rate": 0.0, "qkv_bias": True,
+         "tie_weights": True}
+PRESETS: dict[str, dict] = {
+    # The book's four GPT-2 sizes (named by OpenAI's parameter counts).
+    "gpt2-124m": {**_GPT2, "emb_dim": 768, "n_layers": 12, "n_heads": 12},
+    "gpt2-355m": {**_GPT2, "emb_dim": 1024, "n_layers": 24, "n_heads": 16},
+    "gpt2-774m": {**_GPT2, "emb_dim": 1280, "n_layers": 36, "n_heads": 20},
+    "gpt2-1558m": {**_GPT2, "emb_dim": 1600, "n_layers": 48, "n_heads": 25},
+    # Sizes that train on a laptop CPU in minutes.
+    "cpu-tiny": {"vocab_size": 50257, "context_length": 64, "emb_dim": 64, "n_layers": 2,
+                 "n_heads": 2, "drop_rate": 0.0, "tie_weights": True},
+    "cpu-small": {"vocab_size": 50257, "context_length": 128, "emb_dim": 256, "n_layers": 4,
+                  "n_heads": 4, "drop_rate": 0.1, "tie_weights": True},
+}

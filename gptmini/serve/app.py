@@ -1,0 +1,395 @@
+"""An OpenAI-compatible completions server over the engine (FastAPI and uvicorn).
+
+Every HTTP request becomes engine requests (one per prompt and choice); one background
+thread steps the engine whenever there is work, so concurrent clients share its batches.
+Handlers only add requests and wait for their tokens, so a slow or vanished client never
+holds up the others, and a client that disconnects mid-stream cancels its requests (their
+blocks go back to the pool at the next step).
+
+Endpoints: POST /v1/completions, GET /v1/models, GET /health. Chat completions are out of
+scope: a base model has no chat template. Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters, malformed
+JSON or a call asking more completions (prompts x n) than the server holds, 401 for a
+missing or wrong key, 404 for an unknown model or path, 429 when too many completions are
+in flight, 503 for the requests still running when a shutdown's drain time is over
+(`drain`), 504 when a request outlives its timeout. The command line, `serve.py`, is
+`gptmini.serve.command.serve_main`.
+
+The routes are plain functions on a module-level `router`; what they share (the engine,
+its loop, the calls in flight, the settings) is one `ServerState` on `app.state.server`.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from gptmini.generate.engine import Engine, Request
+from gptmini.generate.sampling import SamplingParams, held_back
+from gptmini.serve.engine_thread import EngineLoop, Ticker
+from gptmini.serve.page import PageState, checkpoint_panel
+from gptmini.serve.page import router as page_router
+from gptmini.serve.schema import APIError, LogprobsWriter, choice_seed, parse
+from gptmini.tokenizer import encode_prompt
+
+__all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app", "drain",
+           "parse", "router"]
+
+API_NAMES = {"max_new_tokens": "max_tokens"}
+"""SamplingParams fields whose request field has another name (`SamplingError.field`)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One /v1/completions call: its engine requests, choice by choice."""
+
+    requests: list[Request]
+    prompts: list[list[int]]
+    """Each choice's prompt ids."""
+    prompt_tokens: int
+    stops: tuple[str, ...]
+    writers: list[LogprobsWriter] | None = None
+    """Each choice's logprobs, when asked."""
+    token_ids: bool = False
+    """Each choice carries its token ids (vLLM's `return_token_ids`)."""
+    streaming: bool = False  # its stream is being sent
+    closed: bool = False  # answered, cancelled or timed out
+
+    @property
+    def in_flight(self) -> bool:
+        return self.streaming or not (self.closed or all(r.done for r in self.requests))
+
+
+@dataclass(eq=False)
+class ServerState:
+    """What the routes share: the engine and its loop, the calls in flight, the settings."""
+
+    engine: Engine
+    model_name: str
+    api_key: str | None
+    max_pending: int
+    timeout: float
+    loop: EngineLoop
+    ticker: Ticker = field(default_factory=Ticker)
+    jobs: set = field(default_factory=set)
+    created: int = field(default_factory=lambda: int(time.time()))
+    drain_until: float = math.inf
+    """When a shutdown's drain time ends (`drain`); the requests still running then get 503."""
+
+    def overdue(self, deadline: float) -> APIError | None:
+        """The APIError that ends a request now: past a shutdown's drain, or past its own
+        deadline (--timeout); None while it may go on."""
+        now = time.monotonic()
+        if now > self.drain_until:
+            return APIError(503, "the server is shutting down and its drain time (serve.py "
+                            "--drain) is over; send the request again", kind="server_error")
+        if now > deadline:
+            return APIError(504, f"the request took longer than {self.timeout:g} s",
+                            kind="timeout_error")
+        return None
+
+    def authorize(self, request: HTTPRequest) -> None:
+        """Raise a 401 unless the call carries the key (when the server has one)."""
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                           kind="authentication_error")
+
+
+router = APIRouter()
+
+
+def state_of(request: HTTPRequest) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: HTTPRequest):
+    """The body as JSON, a 400 naming the problem, or None when the client hung up."""
+    try:
+        return json.loads(await request.body())
+    except ClientDisconnect:  # hung up mid-body: nobody to answer, nothing to log
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the body is not valid JSON: {err}") from None
+
+
+@router.get("/health")
+async def health(request: HTTPRequest):
+    engine = state_of(request).engine
+    return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
+            "free_blocks": engine.blocks.num_free}
+
+
+@router.get("/v1/models")
+async def models(request: HTTPRequest):
+    state = state_of(request)
+    state.authorize(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model",
+                                        "created": state.created, "owned_by": "gptmini"}]}
+
+
+@router.post("/v1/completions")
+async def completions(request: HTTPRequest):
+    state = state_of(request)
+    state.authorize(request)
+    body = await read_json(request)
+    if body is None:
+        return Response(status_code=499)
+    prompts, settings = parse(body, state.model_name)
+    asked, limit = len(prompts) * settings["n"], state.max_pending
+    if asked > limit:
+        raise APIError(400, f"this call asks for {asked} completions ({len(prompts)} "
+                       f"prompts x n={settings['n']}), more than the {limit} the "
+                       "server holds at once (serve.py --max_pending); split it into "
+                       "smaller calls", "prompt")
+    state.jobs.intersection_update([j for j in state.jobs if j.in_flight])
+    pending = sum(not r.done for j in state.jobs for r in j.requests)
+    if pending + asked > limit:
+        raise APIError(429, f"the server is busy ({pending} completions in flight, "
+                       f"{asked} more asked, the limit is {limit}); retry later",
+                       kind="rate_limit_error")
+    job = submit(state, prompts, settings)
+    state.jobs.add(job)
+    if settings["stream"]:
+        return StreamingResponse(stream(state, job, settings), media_type="text/event-stream")
+    await wait(state, job, request)
+    return respond(state, job)
+
+
+def sampling_params(settings: dict, seed: int | None, stop_ids: tuple[int, ...]
+                    ) -> SamplingParams:
+    """One choice's SamplingParams; a bad setting is a 400 naming its request field."""
+    try:
+        return SamplingParams(
+            max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
+            top_k=settings["top_k"], top_p=settings["top_p"], seed=seed, stop_ids=stop_ids,
+            stop=settings["stop"], logprobs=settings["logprobs"])
+    except ValueError as err:  # SamplingError names the field it checked
+        name = getattr(err, "field", None)
+        raise APIError(400, str(err), API_NAMES.get(name, name)) from None
+
+
+def check_prompt(engine: Engine, ids: list[int], max_new_tokens: int) -> None:
+    """The engine's refusals of a prompt, as 400s naming the field at fault."""
+    context, vocab = engine.model.cfg.context_length, engine.model.cfg.vocab_size
+    if len(ids) > context:
+        raise APIError(400, f"the prompt has {len(ids)} tokens but context_length is "
+                       f"{context}; shorten it to at most {context} tokens", "prompt")
+    wrong = [t for t in ids if not 0 <= t < vocab]
+    if wrong:
+        raise APIError(400, f"prompt ids must be in [0, {vocab}), got {wrong[:5]}", "prompt")
+    longest = min(len(ids) + max_new_tokens, context)
+    held = engine.blocks.num_blocks * engine.block_size
+    if longest > held:
+        raise APIError(400, f"this request can grow to {longest} tokens, more than the "
+                       f"server's whole KV pool holds ({held}); lower max_tokens",
+                       "max_tokens")
+
+
+def submit(state: ServerState, prompts: list, settings: dict) -> Job:
+    engine, enc = state.engine, state.engine.tokenizer
+    encoded = [p if isinstance(p, list) else encode_prompt(enc, p) for p in prompts]
+    choices = [(ids, i) for ids in encoded for i in range(settings["n"])]
+    params = [sampling_params(settings, None if settings["seed"] is None
+                              else choice_seed(settings["seed"], i), (enc.eot_token,))
+              for _, i in choices]
+    for ids in encoded:
+        check_prompt(engine, ids, settings["max_new_tokens"])
+    requests = []
+    try:
+        for (ids, _), choice_params in zip(choices, params, strict=True):
+            requests.append(state.loop.add(ids, choice_params))
+    except ValueError as err:  # a refusal check_prompt does not know: the prompt's
+        for r in requests:
+            engine.cancel(r)
+        raise APIError(400, str(err), "prompt") from None
+    prompt_ids = [ids for ids, _ in choices]
+    writers = None
+    if settings["logprobs"] is not None:
+        writers = [LogprobsWriter(enc, len(p) if isinstance(p, str) else len(enc.decode(p)))
+                   for p in prompts for _ in range(settings["n"])]
+    return Job(requests, prompt_ids, sum(len(ids) for ids in encoded), settings["stop"],
+               writers, settings["return_token_ids"])
+
+
+async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
+    deadline = time.monotonic() + state.timeout
+    while not all(r.done for r in job.requests):
+        if await request.is_disconnected():
+            cancel(state, job)
+            return  # (nobody reads the answer)
+        if error := state.overdue(deadline):
+            cancel(state, job)
+            raise error
+        await state.ticker.next(0.05)
+
+
+def cancel(state: ServerState, job: Job) -> None:
+    job.closed = True
+    for r in job.requests:
+        if not r.done:
+            state.engine.cancel(r)
+    state.loop.wake()
+
+
+def usage(job: Job) -> dict:
+    completion = sum(len(r.tokens) for r in job.requests)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": job.prompt_tokens + completion}
+
+
+def finish_reason(r: Request) -> str:
+    return "length" if r.finish_reason == "length" else "stop"
+
+
+def respond(state: ServerState, job: Job) -> dict:
+    job.closed = True
+    if any(r.finish_reason == "error" for r in job.requests):
+        raise APIError(500, f"the engine failed: {state.loop.error}", kind="server_error")
+    choices = [{"index": i, "text": r.text, **tokens_of(job, i, 0, len(r.tokens)),
+                "finish_reason": finish_reason(r)} for i, r in enumerate(job.requests)]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": state.model_name, "choices": choices,
+            "usage": usage(job)}
+
+
+def tokens_of(job: Job, i: int, start: int, end: int) -> dict:
+    """Choice i's `logprobs` of its tokens start..end (None unless asked), and with
+    return_token_ids their ids (and the prompt's, with the first tokens)."""
+    r = job.requests[i]
+    out = {"logprobs": None if job.writers is None else job.writers[i].add(
+        r.tokens[start:end], r.logprobs[start:end])}
+    if job.token_ids:
+        out["token_ids"] = r.tokens[start:end]
+        if start == 0:
+            out["prompt_token_ids"] = job.prompts[i]
+    return out
+
+
+def ready_tokens(job: Job, r: Request) -> int:
+    """Tokens of `r` a stream may send now: those whose every field is there (the engine
+    thread appends them); none before the text when no token field was asked."""
+    if job.writers is None:
+        return len(r.tokens) if job.token_ids else 0
+    return min(len(r.tokens), len(r.logprobs))
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def stream(state: ServerState, job: Job, settings: dict):
+    ident, sent = f"cmpl-{uuid.uuid4().hex}", [0] * len(job.requests)
+    reported, tokens_sent = [False] * len(job.requests), [0] * len(job.requests)
+
+    def chunk(i: int, text: str, reason: str | None, end: int) -> str:
+        start, tokens_sent[i] = tokens_sent[i], end
+        return event({"id": ident, "object": "text_completion", "created": int(time.time()),
+                      "model": state.model_name, "choices": [{
+                          "index": i, "text": text, **tokens_of(job, i, start, end),
+                          "finish_reason": reason}]})
+    job.streaming = True
+    try:
+        deadline = time.monotonic() + state.timeout
+        while not all(reported):
+            for i, r in enumerate(job.requests):
+                if reported[i]:
+                    continue
+                done, text, count = r.done, r.text, ready_tokens(job, r)
+                ready = len(text) - held_back(text, job.stops, done)
+                if ready > sent[i] or count > tokens_sent[i]:
+                    yield chunk(i, text[sent[i]:ready], None, count)
+                    sent[i] = ready
+                if done and r.finish_reason == "error":
+                    yield event(APIError(500, f"the engine failed: {state.loop.error}",
+                                         kind="server_error").body())
+                    return
+                if done:
+                    yield chunk(i, "", finish_reason(r), ready_tokens(job, r))
+                    reported[i] = True
+            if error := state.overdue(deadline):  # (a disconnect cancels this generator)
+                yield event(error.body())
+                return
+            if not all(reported):
+                await state.ticker.next(0.05)
+        if settings["include_usage"]:
+            yield event({"id": ident, "object": "text_completion", "created": int(time.time()),
+                         "model": state.model_name, "choices": [], "usage": usage(job)})
+        yield "data: [DONE]\n\n"
+    finally:
+        cancel(state, job)  # a client gone mid-stream: its blocks go back at the next step
+        job.streaming = False
+
+
+async def api_error(_, err: APIError):
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def http_error(request: HTTPRequest, err: HTTPException):
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    if request.url.path.endswith("/chat/completions"):
+        message = ("chat completions are not served: a base model has no chat template; "
+                   "POST /v1/completions with a prompt")
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(err.status_code, message, kind=kind).body(),
+                        status_code=err.status_code, headers=err.headers)
+
+
+async def invalid(_, err: RequestValidationError):
+    return JSONResponse(APIError(400, f"invalid request: {err.errors()[:1]}").body(),
+                        status_code=400)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: ServerState = app.state.server
+    events = asyncio.get_running_loop()
+    state.loop.on_step = lambda: events.call_soon_threadsafe(state.ticker.tick)
+    yield
+    state.loop.on_step = lambda: None
+    state.loop.close()  # after uvicorn has drained the requests in flight
+
+
+def drain(app: FastAPI, seconds: float) -> None:
+    """Begin a shutdown: the requests in flight go on for `seconds`, then each still running
+    is answered 503 (a stream: an error event) instead of having its connection dropped."""
+    app.state.server.drain_until = time.monotonic() + seconds
+
+
+def create_app(engine: Engine, model_name: str = "gptmini", *, api_key: str | None = None,
+               max_pending: int = 1024, timeout: float = 600.0,
+               checkpoint: dict | None = None, attention_tokens: int = 512) -> FastAPI:
+    """The FastAPI application serving `engine` (which needs its tokenizer), with the page
+    at / (gptmini.serve.page): `checkpoint` is its panel (`checkpoint_panel`; default: the
+    model's settings alone), `attention_tokens` the longest text /gptmini/attention takes."""
+    if engine.tokenizer is None:
+        raise ValueError("the server needs the engine's tokenizer: Engine(model, tokenizer)")
+    if isinstance(attention_tokens, bool) or not isinstance(attention_tokens, int) or (
+            attention_tokens < 1):
+        raise ValueError(f"attention_tokens must be an integer >= 1, got {attention_tokens!r}")
+    app = FastAPI(title="gptmini", lifespan=lifespan)
+    app.state.server = ServerState(engine, model_name, api_key, max_pending, timeout,
+                                   EngineLoop(engine))
+    app.state.loop = app.state.server.loop
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.state.page = PageState(checkpoint or checkpoint_panel(engine.model, engine.tokenizer),
+                               attention_tokens)
+    app.include_router(router)
+    app.include_router(page_router)
+    return app

@@ -1,0 +1,164 @@
+"""The web page serve.py serves at `/` (gptmini/serve/web/: plain HTML, CSS and JavaScript, no
+build step, nothing fetched from elsewhere) and the gptmini endpoints it reads beside
+OpenAI's:
+
+- GET /gptmini/checkpoint: the checkpoint's settings, parameter count, training steps,
+  tokenizer, validation bits per byte and, when its run directory is there, loss curves;
+- POST /gptmini/attention: every layer's and head's attention weights of a text (the
+  explicit path), its mask and the next-token candidates at every position (see
+  `gptmini.analysis.inspection.pack`); a text longer than the limit is a 400;
+- GET /gptmini/heads: every head's previous-token, induction and sink scores
+  (`gptmini.analysis.heads`), computed at the first call.
+
+The data endpoints follow the API key rule of /v1; the page and its files need no key (the
+page asks for the key when a call answers 401). The model runs in a worker thread beside
+the engine's, so a long forward pass never holds up the event loop.
+"""
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from gptmini.analysis.heads import head_roles
+from gptmini.analysis.inspection import ENCODINGS, inspect_text, pack
+from gptmini.analysis.plots import load_metrics
+from gptmini.checkpoint import training_steps
+from gptmini.generate.sampling import MAX_LOGPROBS, json_type
+from gptmini.model.flops import num_parameters
+from gptmini.serve.schema import APIError
+from gptmini.tokenizer import encode_prompt
+
+__all__ = ["WEB", "PageState", "checkpoint_panel", "router"]
+
+WEB = Path(__file__).parent / "web"
+"""The page's files, shipped in the package."""
+CURVES = ("train/loss", "val/loss", "val/bpb")
+
+
+@dataclass(eq=False)
+class PageState:
+    """What the page's endpoints share (on `app.state.page`)."""
+
+    checkpoint: dict
+    attention_tokens: int
+    roles: dict | None = None
+    roles_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def checkpoint_panel(model, tokenizer, path: str | Path | None = None,
+                     hparams: dict | None = None) -> dict:
+    """What the page's checkpoint panel shows (GET /gptmini/checkpoint)."""
+    hparams = hparams or {}
+    panel = {"path": None if path is None else str(path),
+             "settings": model.cfg.to_dict(), "parameters": num_parameters(model),
+             "non_embedding_parameters": num_parameters(model, non_embedding=True),
+             "tokenizer": {"name": str(hparams.get("tokenizer", tokenizer.name)),
+                           "n_vocab": tokenizer.n_vocab},
+             "steps": None, "val_bpb": None, "val_loss": None, "curves": {}, "run_dir": None}
+    if path is None:
+        return panel
+    path = Path(path)
+    if path.is_file():
+        panel["steps"] = training_steps(path)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    try:
+        metrics, _ = load_metrics(run_dir)
+    except (FileNotFoundError, ValueError, KeyError, OSError):
+        return panel  # no run directory beside the checkpoint: no curves
+    panel["run_dir"] = str(run_dir)
+    panel["curves"] = {name: {"steps": metrics[name][0], "values": metrics[name][1]}
+                       for name in CURVES if name in metrics}
+    for name, key in (("val/bpb", "val_bpb"), ("val/loss", "val_loss")):
+        if name in metrics:
+            panel[key] = metrics[name][1][-1]
+    return panel
+
+
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def index():
+    return FileResponse(WEB / "index.html", media_type="text/html")
+
+
+@router.get("/web/{name}", include_in_schema=False)
+async def web_file(name: str):
+    files = {p.name: p for p in WEB.iterdir() if p.is_file()}
+    if name not in files:
+        raise APIError(404, f"GET /web/{name}: no such file; the page's files are "
+                       f"{', '.join(sorted(files))}", kind="not_found_error")
+    return FileResponse(files[name])
+
+
+@router.get("/gptmini/checkpoint")
+async def checkpoint(request: HTTPRequest):
+    request.app.state.server.authorize(request)
+    return {"model": request.app.state.server.model_name,
+            **request.app.state.page.checkpoint}
+
+
+@router.get("/gptmini/heads")
+async def heads(request: HTTPRequest):
+    request.app.state.server.authorize(request)
+    page: PageState = request.app.state.page
+    async with page.roles_lock:  # computed once, by the first caller
+        if page.roles is None:
+            model = request.app.state.server.engine.model
+            page.roles = (await run_in_threadpool(head_roles, model)).to_dict()
+    return page.roles
+
+
+@router.post("/gptmini/attention")
+async def attention(request: HTTPRequest):
+    server, page = request.app.state.server, request.app.state.page
+    server.authorize(request)
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object such as {\"prompt\": "
+                       "\"ROMEO:\"}")
+    unknown = sorted(set(body) - {"prompt", "top_logprobs", "encoding"})
+    if unknown:
+        raise APIError(400, f"unsupported field {unknown[0]!r}; /gptmini/attention takes "
+                       "prompt, top_logprobs and encoding", unknown[0])
+    ids = prompt_ids(body.get("prompt"), server.engine, page.attention_tokens)
+    top = body.get("top_logprobs", 10)
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got "
+                       f"{top!r} ({json_type(top)})", "top_logprobs")
+    encoding = body.get("encoding", "float16")
+    if encoding not in ENCODINGS:
+        raise APIError(400, f"encoding must be one of {', '.join(ENCODINGS)}, got "
+                       f"{encoding!r}", "encoding")
+    model, enc = server.engine.model, server.engine.tokenizer
+    seen = await run_in_threadpool(inspect_text, model, ids, top=top)
+    return await run_in_threadpool(pack, seen, enc, encoding)
+
+
+def prompt_ids(prompt, engine, limit: int) -> list[int]:
+    """The ids of /gptmini/attention's prompt (text, by `encode_prompt`, or ids), or a 400."""
+    vocab, context = engine.model.cfg.vocab_size, engine.model.cfg.context_length
+    if isinstance(prompt, str):
+        ids = encode_prompt(engine.tokenizer, prompt)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+        ids = prompt
+    else:
+        raise APIError(400, f"prompt must be a string or a non-empty list of token ids in "
+                       f"[0, {vocab}), got {json_type(prompt)}", "prompt")
+    most = min(limit, context)
+    if len(ids) > most:
+        why = ("the model's context_length" if most == context
+               else "serve.py --attention_tokens")
+        raise APIError(400, f"the text has {len(ids)} tokens; /gptmini/attention takes at "
+                       f"most {most} ({why}); shorten it", "prompt")
+    return ids

@@ -1,0 +1,396 @@
+"""The LightningModule that trains `GPTModel`: one shared step, AdamW or Muon, warmup + cosine."""
+
+import math
+import time
+import warnings
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from gptmini.checkpoint import model_config, write_model_entries
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.model.flops import flops_per_token
+from gptmini.runtime import peak_flops_of
+from gptmini.tokenizer import get_tokenizer, token_byte_lengths
+from gptmini.train.optim import (
+    apply_changed_settings,
+    check_optimizer,
+    make_optimizer,
+    warmup_cosine,
+)
+from gptmini.train.rng import rng_states, set_rng_states
+
+
+class GPTLitModule(L.LightningModule):
+    def __init__(
+        self,
+        tokenizer: str = "gpt2",
+        init_from: str | None = None,
+        learning_rate: float = 1e-3,
+        optimizer: str = "adamw",
+        muon_learning_rate: float = 2e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 60,
+        weight_decay: float = 0.1,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        compile: bool = False,
+        peak_flops: float | None = None,
+        loss_chunk_size: int | None = None,
+        **model,
+    ):
+        """A GPT and how it is optimized.
+
+        Args:
+            tokenizer: "gpt2" (offline), "byte", a saved tokenizer's path, or a tiktoken
+                encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
+                "bpe:N", fitted to the run's corpus and saved in the run directory. The
+                model's vocab_size is this tokenizer's number of ids.
+            init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
+                weights start a new run, for fine-tuning; the model settings must match
+                its config.json, except that a shorter context_length keeps the first
+                context_length position embeddings. Ignored when resuming a checkpoint.
+            learning_rate: Peak learning rate, reached after warmup (AdamW's).
+            optimizer: "adamw" for every weight, or "muon": torch.optim.Muon (torch >= 2.9)
+                for the blocks' matrices, AdamW for embeddings, head, norms and biases.
+            muon_learning_rate: Muon's peak rate, scaled per matrix by 0.2 * sqrt(max(rows,
+                cols)) to match AdamW's update size; same warmup and decay.
+            min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
+            warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
+            weight_decay: AdamW weight decay, on matrices and embeddings only.
+            beta1: AdamW beta1.
+            beta2: AdamW beta2.
+            compile: Compile the model with torch.compile.
+            peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
+                measures the CPU's matmul rate in the training dtype, once per process.
+            loss_chunk_size: Compute the head and the loss this many positions at a time,
+                recomputing them in backward: far less memory for the logits (4x less for
+                8 x 1024 positions of GPT-2's vocabulary) for some more time. None: at once.
+            **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
+                GPTConfig's defaults; the command line's defaults come from the default run
+                config. vocab_size is not one of them: it follows the tokenizer.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        _check_range("learning_rate", learning_rate, 1e-12, math.inf)
+        _check_range("warmup_steps", warmup_steps, 0, math.inf)
+        _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+        _check_range("weight_decay", weight_decay, 0.0, math.inf)
+        _check_range("muon_learning_rate", muon_learning_rate, 1e-12, math.inf)
+        check_optimizer(optimizer)  # a torch without Muon fails here, before any data is read
+        self.tokenizer = get_tokenizer(tokenizer)
+        """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
+        self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
+        self.model = GPTModel(self.cfg)
+        self._flops_per_token = flops_per_token(self.cfg)
+        self._watch = StepWatch()
+        self._window_start, self._window_tokens = 0.0, 0
+        self._bad_steps = self._first_bad_step = None  # tensors on the device, at train start
+        self._peak_flops = peak_flops
+        self._rng_to_restore: dict | None = None
+        self._token_bytes: Tensor | None = None  # bytes of text per id, for val/bpb
+        self._val_nats = self._val_bytes = None
+        self.resuming = False
+        """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
+        after `setup`, which must already know not to load `init_from` (train.py sets it)."""
+
+    # --- setup ------------------------------------------------------------------------
+
+    def configure_model(self):
+        if self.hparams.compile:
+            self.model.compile()  # in place: parameter names (checkpoints) do not change
+
+    def setup(self, stage: str):
+        if stage == "fit" and self.trainer.world_size > 1:
+            # Every rank draws its own dropout masks (nanoGPT offsets its seed by the rank
+            # too); a resume restores each rank's own stream.
+            torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
+        if self._peak_flops is None:
+            self._peak_flops = peak_flops_of(self.device, self._compute_dtype())
+        if stage == "fit" and self.hparams.init_from and not self.resuming:
+            self.load_pretrained(self.hparams.init_from)
+
+    def load_pretrained(self, directory: str):
+        """Copy a Hugging Face GPT-2's weights into this module's model."""
+        from gptmini.convert import load_hf
+
+        pretrained = load_hf(directory)
+        theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
+        shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
+                        "qkv_bias", "tie_weights", "position", "norm", "mlp", "qk_norm", "bias")
+        differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
+        if ours.context_length > theirs.context_length:
+            differ.append("context_length")
+        if ours.n_kv_heads not in (None, ours.n_heads):
+            differ.append("n_kv_heads")
+        if differ:
+            wanted = " ".join(f"--model.{f} {getattr(theirs, f)}" for f in differ)
+            raise ValueError(
+                f"model.init_from={directory} holds a different model "
+                f"({', '.join(f'{f}={getattr(theirs, f)!r}' for f in differ)}); set {wanted}"
+            )
+        state = pretrained.state_dict()
+        state["pos_emb.weight"] = state["pos_emb.weight"][: ours.context_length]
+        self.model.load_state_dict(state, strict=True)
+
+    # --- steps --------------------------------------------------------------------------
+
+    def forward(self, in_idx: Tensor) -> Tensor:
+        return self.model(in_idx)
+
+    def _loss(self, batch) -> Tensor:
+        # (inputs, targets) or, with document masks, (inputs, targets, document ids): each
+        # (b, num_tokens). The loss is computed inside the model.
+        inputs, targets, *documents = batch
+        return self.model(inputs, targets=targets, document_ids=documents[0] if documents
+                          else None, loss_chunk_size=self.hparams.loss_chunk_size)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._val_nats = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._val_bytes = torch.zeros((), dtype=torch.long, device=self.device)
+        if self._token_bytes is None or self._token_bytes.device != self.device:
+            lengths = token_byte_lengths(self.tokenizer)
+            self._token_bytes = torch.tensor(lengths, device=self.device)
+
+    def validation_step(self, batch, batch_idx: int):
+        inputs, targets, *documents = batch
+        nats = self.model(inputs, targets=targets, reduction="none",
+                          document_ids=documents[0] if documents else None,
+                          loss_chunk_size=self.hparams.loss_chunk_size)
+        counted = targets != -100  # cross_entropy's ignore_index
+        self.log("val/loss", nats.sum() / counted.sum(), sync_dist=True)
+        # Bits per byte compares tokenizers: the nats of the targets over the bytes of text
+        # they stand for. Special tokens stand for no text: they leave both sums.
+        num_bytes = self._token_bytes[targets.clamp(min=0)] * counted
+        self._val_nats += (nats * (num_bytes > 0)).sum()
+        self._val_bytes += num_bytes.sum()
+
+    def on_validation_epoch_end(self):
+        val_loss = self.trainer.callback_metrics.get("val/loss")
+        if val_loss is not None:
+            self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+        nats = self.trainer.strategy.reduce(self._val_nats, reduce_op="sum")
+        num_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
+        self.log("val/bpb", nats / num_bytes.clamp(min=1) / math.log(2))
+
+    # --- non-finite steps: skipped on the device, reported at the next check
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        # One pass over the gradients measures their norm (logged), clips by it, and tells
+        # the optimizer whether the step is finite, all without waiting on the device.
+        if gradient_clip_algorithm == "value":
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                         for g in grads]))
+            torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
+        else:
+            max_norm = gradient_clip_val or math.inf  # None or 0: measure, do not clip
+            wrapped = self.trainer.strategy.model
+            if isinstance(wrapped, FullyShardedDataParallel):
+                norm = wrapped.clip_grad_norm_(max_norm)  # over the shards of every rank
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.log("train/grad_norm", norm)
+        self._skip_if_not_finite(optimizer, norm)
+
+    def _skip_if_not_finite(self, optimizer, norm: Tensor) -> None:
+        """A NaN or infinite loss or gradient never updates the weights.
+
+        Fused AdamW skips its update on the device when `found_inf` is set (what a grad
+        scaler does), so nothing waits for the answer; the step is counted on the device
+        and reported at the next logging step or checkpoint save. fp16 mixed precision
+        overflows on purpose and its grad scaler skips those steps itself.
+        """
+        if str(self.trainer.precision) == "16-mixed":
+            return
+        bad = ~torch.isfinite(norm)  # a NaN loss makes NaN gradients, hence a NaN norm
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()
+        elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
+            optimizer.zero_grad(set_to_none=True)
+        self._bad_steps += bad
+        self._first_bad_step = torch.where(
+            bad & (self._first_bad_step < 0), self.global_step, self._first_bad_step
+        )
+
+    def _reset_skip_counters(self) -> None:
+        self._bad_steps = torch.zeros((), dtype=torch.long, device=self.device)
+        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
+
+    def _raise_if_steps_were_skipped(self) -> None:
+        """The one wait on the device per logging interval (and per checkpoint)."""
+        skipped = int(self._bad_steps)
+        if skipped:
+            first = int(self._first_bad_step)
+            raise FloatingPointError(
+                f"the loss or gradient was not finite at step {first} ({skipped} step(s) up "
+                f"to step {self.global_step}); those steps were skipped, so the weights are "
+                "as before them, and the run stops here with the last checkpoint intact. "
+                "Lower --model.learning_rate, raise --model.warmup_steps or set "
+                "--trainer.gradient_clip_val, then resume with --ckpt_path last"
+            )
+
+    def on_train_start(self):
+        self._restore_rng_states()
+        self._reset_skip_counters()
+        self._watch.start(self.trainer)
+        self._window_start, self._window_tokens = time.perf_counter(), 0
+        if self.trainer.is_global_zero:
+            peak = f"{self._peak_flops / 1e12:.3g} TFLOP/s" if self._peak_flops else "unknown"
+            print(f"MFU: tokens/s x {self._flops_per_token / 1e6:.1f} MFLOP per token (6N + "
+                  f"12*L*T*d, N = matmul weights with the head) / peak ({peak} for "
+                  f"{self._dtype_name()} on {self.device.type})", flush=True)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int):
+        self._window_tokens += batch[0].numel()
+        if not self._watch.stepped(self.trainer):
+            return  # inside a gradient accumulation
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return  # Lightning writes the logs at these same steps
+        self._raise_if_steps_were_skipped()
+        # Throughput over the logging interval (data wait, forward, backward, optimizer).
+        now = time.perf_counter()
+        tokens_per_sec = self._window_tokens * self.trainer.world_size / (now - self._window_start)
+        self._window_start, self._window_tokens = now, 0
+        self.log("train/tokens_per_sec", tokens_per_sec)
+        if self._peak_flops:
+            mfu = self._flops_per_token * tokens_per_sec / (self._peak_flops
+                                                             * self.trainer.world_size)
+            self.log("train/mfu", mfu)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+
+    def on_validation_end(self):
+        # Validation time is not training throughput: the interval restarts after it.
+        self._window_start, self._window_tokens = time.perf_counter(), 0
+
+    # --- exact resume: Lightning restores weights, optimizer, schedule and loops; the
+    # random number generators (dropout) of every rank are ours to carry.
+
+    def on_save_checkpoint(self, checkpoint: dict):
+        # Never a checkpoint of a run that went non-finite, nor one with NaN weights.
+        self._raise_if_steps_were_skipped()
+        if not all(bool(torch.isfinite(p).all()) for p in self.parameters()):
+            raise FloatingPointError(
+                f"the weights hold NaN or infinite values at step {self.global_step}, so no "
+                "checkpoint was written; the last one is intact. Resume from it with a lower "
+                "--model.learning_rate: --ckpt_path last"
+            )
+        # the model and its vocabulary, so the checkpoint is all generate.py needs
+        write_model_entries(checkpoint, self.cfg, self.tokenizer, str(self.trainer.precision))
+        states = rng_states()
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes
+            torch.distributed.all_gather_object(per_rank, states)
+        else:
+            per_rank = [states]
+        checkpoint["rng_states"] = per_rank
+
+    def on_load_checkpoint(self, checkpoint: dict):
+        saved = model_config(checkpoint, self.cfg.vocab_size).to_dict()
+        shape_fields = [f for f in saved if f != "drop_rate"]
+        differ = [f for f in shape_fields if saved[f] != getattr(self.cfg, f)]
+        if differ:
+            diffs = ", ".join(
+                f"{f}={saved[f]!r} there, {getattr(self.cfg, f)!r} here" for f in differ
+            )
+            raise ValueError(
+                f"the checkpoint holds a different model ({diffs}); resume with the model "
+                "settings it was trained with, or start a new --run_name"
+            )
+        apply_changed_settings(checkpoint, self.hparams, warmup_steps=self._warmup_steps(),
+                               total_steps=self._total_steps(),
+                               announce=self.trainer is not None and self.trainer.is_global_zero)
+        self._rng_to_restore = checkpoint.get("rng_states")
+
+    def _restore_rng_states(self):
+        # Restored at train start, after the sanity-check validation, so that the first
+        # resumed step draws the same dropout masks the uninterrupted run drew.
+        states, self._rng_to_restore = self._rng_to_restore, None
+        if not states:
+            return
+        if isinstance(states, dict):  # checkpoints from before one state per rank
+            states = [states]
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        if len(states) != world:
+            warnings.warn(
+                f"the checkpoint holds the random state of {len(states)} rank(s) and this run "
+                f"has {world}: dropout will differ from an uninterrupted run",
+                stacklevel=2,
+            )
+        set_rng_states(states[rank % len(states)])
+
+    # --- optimization -------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        sharded = hp.optimizer == "muon" and isinstance(self.trainer.strategy.model,
+                                                        FullyShardedDataParallel)
+        optimizer = make_optimizer(self.model, hp.optimizer, learning_rate=hp.learning_rate,
+                                   muon_learning_rate=hp.muon_learning_rate,
+                                   weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
+                                   device=self.device, sharded=sharded)
+        schedule = warmup_cosine(optimizer, warmup_steps=self._warmup_steps(),
+                                 total_steps=self._total_steps(), min_ratio=hp.min_lr_ratio,
+                                 asked_warmup=hp.warmup_steps)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
+        }
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in, from the trainer's precision."""
+        precision = str(self.trainer.precision)
+        if precision.startswith("bf16"):
+            return torch.bfloat16
+        return torch.float16 if precision.startswith("16") else torch.float32
+
+    def _dtype_name(self) -> str:
+        return str(self._compute_dtype()).removeprefix("torch.")
+
+    def _total_steps(self) -> int:
+        total = self.trainer.max_steps
+        if total is None or total < 0:
+            total = int(self.trainer.estimated_stepping_batches)
+        return total
+
+    def _warmup_steps(self) -> int:
+        return min(self.hparams.warmup_steps, self._total_steps())
+
+
+class StepWatch:
+    """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
+
+    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation several
+    micro-batches share one `global_step`. `stepped` is true only at the batch whose optimizer
+    step just moved `global_step`: never for micro-batches before the first step or between
+    steps, and never for the step a resumed run starts from (`start` at `on_train_start`,
+    after the restore). Call `stepped` once per batch.
+    """
+
+    def __init__(self):
+        self.seen: int | None = None
+        self.since_step = 0
+        """Micro-batches done since the last optimizer step (0 right after one)."""
+
+    def start(self, trainer) -> None:
+        self.seen, self.since_step = trainer.global_step, 0
+
+    def stepped(self, trainer) -> bool:
+        step, seen = trainer.global_step, self.seen
+        self.seen = step
+        moved = step != seen and step > 0
+        self.since_step = 0 if moved else self.since_step + 1
+        return moved
+
+
+def _check_range(name: str, value: float, low: float, high: float):
+    if not low <= value <= high:
+        raise ValueError(f"model.{name}={value} must be in [{low}, {high}]")

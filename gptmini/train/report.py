@@ -1,0 +1,124 @@
+"""What a finished run says: a short report card (nanochat's report is the anchor), printed
+at the end of training and written as `report.txt` in the run directory, beside the curves.
+
+    run shakespeare-cpu: 2,400 steps in 4 min 02 s, 2,457,600 tokens (10,155 tokens/s)
+    validation   last  loss 4.447  bpb 2.193  (after step 2,400; 20 batches: evaluate.py ...)
+                 best  loss 4.447  bpb 2.193  (after step 2,400)
+    ...
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from gptmini.analysis.plots import load_metrics, plot_curves
+
+
+class RunReport(Callback):
+    """Counts a run's steps, tokens and time; at the end of `fit` (rank zero) draws the
+    curves to `<run_dir>/curves.png` (when matplotlib is there), then prints the report and
+    writes it to `<run_dir>/report.txt`. A run stopped by a signal or an error reports
+    nothing (its own message says what happened)."""
+
+    def __init__(self, run_dir: str | Path, prompt: str = "ROMEO:"):
+        self.run_dir, self.prompt = Path(run_dir), prompt
+        self._start, self._seconds, self._first_step, self._tokens = 0.0, 0.0, 0, 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
+        self._start, self._first_step, self._tokens = time.monotonic(), trainer.global_step, 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
+                           batch_idx: int):
+        self._tokens += batch[0].numel() * trainer.world_size  # a shape: nothing is read
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule):
+        self._seconds = time.monotonic() - self._start
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule):
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        for logger in trainer.loggers:
+            logger.save()  # the CSV rows written so far, for the curves and the best values
+        try:
+            metrics, _ = load_metrics(self.run_dir)
+        except FileNotFoundError:
+            metrics = {}
+        curves = self.run_dir / "curves.png"
+        try:
+            curves = plot_curves(self.run_dir, curves)
+        except (ImportError, ValueError, FileNotFoundError) as err:
+            curves = f"not drawn ({err})"
+        text = format_report(
+            run_name=self.run_dir.name, steps=trainer.global_step, first_step=self._first_step,
+            seconds=self._seconds, tokens=self._tokens, metrics=metrics,
+            val_batches=trainer.limit_val_batches, checkpoints=self.run_dir / "checkpoints",
+            curves=curves, prompt=self.prompt)
+        print(text, flush=True)
+        (self.run_dir / "report.txt").write_text(text + "\n")
+
+
+def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
+                  metrics: dict, val_batches: int | float, checkpoints: Path,
+                  curves: Path | str, prompt: str = "ROMEO:") -> str:
+    """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values)."""
+    session = f" (steps {first_step:,} to {steps:,} in this session)" if first_step else ""
+    rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
+    lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
+             f"{tokens:,} tokens{rate}"]
+    if "val/loss" in metrics:
+        # Lightning logs a validation at the 0-based index of the step before it: + 1.
+        at, losses = [s + 1 for s in metrics["val/loss"][0]], metrics["val/loss"][1]
+        bpb = {s + 1: v for s, v in zip(*metrics.get("val/bpb", ([], [])), strict=True)}
+        best = min(range(len(losses)), key=losses.__getitem__)
+        scope = (f"{val_batches:,} batches" if isinstance(val_batches, int)
+                 else f"{val_batches:.0%} of the split")
+        for label, i, note in (("last", -1, f"; {scope}: evaluate.py scores the whole split"),
+                               ("best", best, "")):
+            value = f"  bpb {bpb[at[i]]:.3f}" if at[i] in bpb else ""
+            head = "validation  " if label == "last" else "            "
+            lines.append(f"{head} {label}  loss {losses[i]:.3f}{value}  "
+                         f"(after step {at[i]:,}{note})")
+    else:
+        lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")
+    last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
+    lines.append(f"checkpoints  {last}" + (f", {best}" if (checkpoints / "best.ckpt").is_file()
+                                           else ""))
+    lines.append(f"curves       {_shown(curves) if isinstance(curves, Path) else curves}")
+    python = _python()
+    chosen = best if (checkpoints / "best.ckpt").is_file() else last
+    lines += [
+        "next",
+        f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",
+        f"  {python} serve.py --checkpoint {last}",
+        f"  {python} evaluate.py --checkpoint {chosen}",
+    ]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{seconds:.1f} s"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is under it, as a user types it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _python() -> str:
+    """This interpreter as a command a new shell runs: `.venv/bin/python` from the clone."""
+    here = os.path.relpath(sys.executable)
+    return here if not here.startswith("..") and os.sep in here else sys.executable
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
