@@ -17,6 +17,8 @@ from gptmini.data import (
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer
 
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root: where the entry scripts, README.md and configs/ are."""
 ENC = get_tokenizer("gpt2")
 
 EOT = ENC.eot_token
@@ -156,6 +158,6 @@ def start_serve_py(checkpoint: Path, *flags: str, env: dict | None = None
         port = probe.getsockname()[1]
     server = subprocess.Popen(
         [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
-         *flags], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+         *flags], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=env)
     return server, f"http://127.0.0.1:{port}"

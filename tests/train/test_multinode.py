@@ -56,7 +56,7 @@ def test_two_nodes_train_stop_together_on_sigterm_to_one_and_resume_exactly(tmp_
     def launch(*extra, signal_node: str = "") -> list[subprocess.CompletedProcess]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "SIGNAL_NODE": signal_node,
-               "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+               "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         nodes = [subprocess.Popen([sys.executable, str(script), *base, *extra], cwd=tmp_path,
                                   env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank in (0, 1)]

@@ -19,7 +19,7 @@ from gptmini.convert import export_hf
 from gptmini.generate.command import generate_main
 from gptmini.train.command import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def corrupt_checkpoint(tmp_path: Path) -> Path:

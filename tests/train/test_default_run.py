@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny_args
+from helpers import REPO, tiny_args
 
 from gptmini.analysis.visualize import visualize_main
 from gptmini.checkpoint import load_checkpoint
@@ -113,8 +113,7 @@ def test_book_gpt2_yaml_is_the_default_run_of_before(capsys):
     from gptmini.train.command import build_cli
 
     with pytest.raises(SystemExit):
-        build_cli(["--config", str(Path(__file__).parents[1] / "configs" / "book-gpt2.yaml"),
-                   "--print_config"])
+        build_cli(["--config", str(REPO / "configs" / "book-gpt2.yaml"), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     for section, fields in BOOK_DEFAULT.items():
         for field, value in fields.items():

@@ -18,7 +18,7 @@ from gptmini.checkpoint.atomic import (
     temporary_path,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT = {"state_dict": {"w": torch.arange(300_000, dtype=torch.float32)}, "step": 2}
 
 DIES = textwrap.dedent("""

@@ -21,7 +21,7 @@ from gptmini.attention.book import CausalAttention, MultiHeadAttentionWrapper
 from gptmini.testing import AttentionSpec, assert_attention, check_attention
 from gptmini.testing.checks import CHECKS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ReaderMHA(nn.Module):

@@ -18,7 +18,7 @@ from gptmini.model import GPTConfig
 from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit, main
 from gptmini.train.module import GPTLitModule
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

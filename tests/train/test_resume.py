@@ -19,7 +19,7 @@ from gptmini.train.callbacks import RunInterrupted
 from gptmini.train.command import build_cli, fit, main
 from gptmini.train.optim import lr_factor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class StopAt(Callback):

@@ -16,7 +16,7 @@ from gptmini.generate.loop import generate, stream_text
 from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
