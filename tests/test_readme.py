@@ -1,7 +1,10 @@
-"""The README runs as written: its python blocks and its shell commands that need no GPU,
-no network and no minutes of training, against a tiny run saved where the README's run is
-(runs/shakespeare-cpu). Every other command must be named in SKIPPED with the reason, so a
-new command in the README is either run here or says why not."""
+"""The README and every page of docs/ run as written: their python blocks and their shell
+commands that need no GPU, no network and no minutes of training, against a tiny run saved
+where the README's run is (runs/shakespeare-cpu). Every other command must be named in
+SKIPPED with the reason, so a new command on any page is either run here or says why not.
+
+A command shown on several pages (the README's tour repeats a few of the pages') is run
+once, where it first appears, and counts for every page that shows it."""
 
 import json
 import os
@@ -17,7 +20,7 @@ import pytest
 from helpers import tiny_args
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
 SKIPPED = {
     "python3 -m venv": "Set-up: installs (CI runs exactly this line)",
     "pip install": "installs from the network",
@@ -37,14 +40,18 @@ SKIPPED = {
 PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download"}
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+def text(page: str) -> str:
+    return (REPO / page).read_text()
 
 
-def commands() -> list[str]:
-    """The README's shell commands, continuation lines joined, comments and blanks dropped."""
+def blocks(source: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", source, re.S)
+
+
+def commands(source: str) -> list[str]:
+    """A page's shell commands, continuation lines joined, comments and blanks dropped."""
     out = []
-    for block in blocks("bash"):
+    for block in blocks(source, "bash"):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
@@ -61,20 +68,41 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder laid out as the README's clone after `python train.py`: the entry scripts,
-    the README, and a tiny run at runs/shakespeare-cpu."""
+    the README and docs/, and a tiny run at runs/shakespeare-cpu."""
     from helpers import write_corpus
 
     from gptmini.train.command import main
 
     root = tmp_path_factory.mktemp("clone")
     for name in ("train.py", "generate.py", "evaluate.py", "visualize.py", "serve.py",
-                 "README.md"):
+                 "README.md", "docs"):
         (root / name).symlink_to(REPO / name)
     corpus = write_corpus(root / "corpus.txt", repeats=12)
     args = tiny_args(root, corpus, "--run_name", "shakespeare-cpu", "--trainer.max_steps", "10",
                      "--trainer.val_check_interval", "5")
     assert main(args) == 0
     return root
+
+
+@pytest.fixture(scope="module")
+def server(clone):
+    """serve.py on the tiny run, on a free port, for the pages' curl and client calls."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "serve.py", "--checkpoint", "runs/shakespeare-cpu/checkpoints/last.ckpt",
+         "--port", str(port)], cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        yield port, process
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def already_run() -> dict[str, str]:
+    """Commands run so far, with their output: the same line on another page is not rerun."""
+    return {}
 
 
 def run(command: str, cwd: Path, port: int) -> subprocess.CompletedProcess:
@@ -84,44 +112,44 @@ def run(command: str, cwd: Path, port: int) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-@pytest.mark.slow
-def test_every_readme_command_runs_or_says_why_not(clone):
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "serve.py", "--checkpoint", "runs/shakespeare-cpu/checkpoints/last.ckpt",
-         "--port", str(port)], cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    try:
-        ran = []
-        for command in commands():
-            if any(key in command for key in SKIPPED):
-                continue
-            if command.startswith("curl"):
-                wait_for(port, server)
-            proc = run(command, clone, port)
-            assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
-            if command.startswith("curl"):
-                assert json.loads(proc.stdout)["choices"][0]["finish_reason"] in ("stop",
-                                                                                  "length")
-            ran.append((command, proc.stdout))
-        assert len(ran) >= 10, ran
-        assert (clone / "results.jsonl").read_text().count("\n") == 4  # the four prompts
-        assert all("bits per byte" in out for command, out in ran if "evaluate.py" in command)
+def check_output(command: str, stdout: str, cwd: Path) -> None:
+    """What a command's output must show, beyond its exit status."""
+    if command.startswith("curl"):
+        assert json.loads(stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+    if "evaluate.py" in command and "--choices" not in command:
+        assert "bits per byte" in stdout, stdout
+    if "--batch_file prompts.txt" in command:
+        assert (cwd / "results.jsonl").read_text().count("\n") == 4  # the four prompts
 
-        # The python blocks, in order, in one namespace, as a reader pastes them.
-        namespace: dict = {"__name__": "__readme__"}
-        cwd = Path.cwd()
-        os.chdir(clone)
-        try:
-            for block in blocks("python"):
-                if any(key in block for key in PYTHON_SKIPPED):
-                    continue
-                exec(compile(block.replace("8000", str(port)), "README.md", "exec"), namespace)
-        finally:
-            os.chdir(cwd)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_and_snippet_runs_or_says_why_not(page, clone, server, already_run):
+    port, process = server
+    source = text(page)
+    for command in commands(source):
+        if any(key in command for key in SKIPPED) or command in already_run:
+            continue
+        if command.startswith("curl"):
+            wait_for(port, process)
+        proc = run(command, clone, port)
+        assert proc.returncode == 0, f"{page}: {command}\n{proc.stderr[-2000:]}"
+        check_output(command, proc.stdout, clone)
+        already_run[command] = proc.stdout
+
+    # The python blocks, in order, in one namespace, as a reader pastes them.
+    namespace: dict = {"__name__": "__readme__"}
+    cwd = Path.cwd()
+    os.chdir(clone)
+    try:
+        for block in blocks(source, "python"):
+            if any(key in block for key in PYTHON_SKIPPED):
+                continue
+            if "127.0.0.1:8000" in block:
+                wait_for(port, process)
+            exec(compile(block.replace("8000", str(port)), page, "exec"), namespace)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        os.chdir(cwd)
 
 
 def wait_for(port: int, server: subprocess.Popen, seconds: float = 60) -> None:
@@ -136,12 +164,23 @@ def wait_for(port: int, server: subprocess.Popen, seconds: float = 60) -> None:
 
 
 def test_the_book_snippet_prints_the_books_numbers(capsys):
-    exec(compile(blocks("python")[0], "README.md", "exec"), {})
+    exec(compile(blocks(text("README.md"), "python")[0], "README.md", "exec"), {})
     assert "[[[0.3190, 0.4858]," in capsys.readouterr().out
 
 
-def test_every_skipped_command_is_still_in_the_readme():
+def test_the_pages_are_found_and_hold_what_the_runner_reads():
+    """A parser that found nothing would make the slow test pass on nothing."""
+    assert len(PAGES) >= 12, PAGES  # the README and its eleven topics
+    everything = [text(page) for page in PAGES]
+    runnable = [c for source in everything for c in commands(source)
+                if not any(key in c for key in SKIPPED)]
+    assert len(set(runnable)) >= 10, runnable
+    assert sum(len(blocks(source, "python")) for source in everything) >= 12
+
+
+def test_every_skipped_command_is_still_on_a_page():
     """A skip that matches nothing would hide nothing and mislead: keep the table honest."""
-    text = "\n".join(commands()) + "\n".join(blocks("python"))
-    assert [key for key in {**SKIPPED, **PYTHON_SKIPPED} if key not in text] == []
+    shown = "\n".join("\n".join(commands(text(page))) + "\n".join(blocks(text(page), "python"))
+                      for page in PAGES)
+    assert [key for key in {**SKIPPED, **PYTHON_SKIPPED} if key not in shown] == []
     assert shutil.which("sh")

@@ -13,7 +13,7 @@ from gptmini.attention import KVCache, MultiHeadAttention, kernels
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.testing import AttentionSpec, check_attention
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "attention.md"
 
 
 @pytest.fixture

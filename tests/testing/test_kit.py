@@ -383,7 +383,7 @@ def test_pytest_plugin_runs_each_check_as_a_named_test(tmp_path):
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "testing.md").read_text()
     start = text.index("## Test your own attention")
     return text[start:text.index("\n## ", start + 1)]
 
@@ -421,7 +421,7 @@ def test_the_kit_and_the_model_import_only_torch():
 
 def rotary_readme() -> tuple[str, str]:
     """The README's rotary example (with its bug) and the report line it shows."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "testing.md").read_text()
     start = text.index("Rotary attention depends only on distances")
     code = re.search(r"```python\n(.*?)```", text[start:], flags=re.S).group(1)
     shown = re.search(r"```text\n(.*?)```", text[start:], flags=re.S).group(1)
