@@ -6,7 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.generate.sampling import SamplingError, SamplingParams, sample, sample_next_token
+from gptmini.generate.sampling import (
+    RequestError,
+    SamplingError,
+    SamplingParams,
+    sample,
+    sample_next_token,
+)
 
 SETTINGS = st.builds(
     SamplingParams,
@@ -61,12 +67,15 @@ def test_greedy_rows_draw_no_random_numbers_and_the_logits_are_left_alone():
     ({"temperature": float("nan")}, "temperature", "finite number"),
     ({"top_k": 0}, "top_k", "integer >= 1"),
     ({"top_p": 1.5}, "top_p", r"in \(0, 1\]"),
-    ({"top_p": True}, "top_p", r"in \(0, 1\]"),
+    ({"top_p": 0.0}, "top_p", r"in \(0, 1\]"),
+    ({"top_p": True}, "top_p", r"a number in \(0, 1\], got True \(a boolean\)"),
     ({"max_new_tokens": -1}, "max_new_tokens", "integer >= 0"),
-    ({"seed": 2**70}, "seed", r"integer in \[-2\*\*63, 2\*\*64\).*seed % 2\*\*63"),
+    ({"seed": 2**70}, "seed", r"integer of 64 bits \(in \[-2\*\*63, 2\*\*64\)\).*seed % 2\*\*63"),
     ({"seed": "7"}, "seed", "integer"),
     ({"stop": ("",)}, "stop", "non-empty strings"),
-    ({"logprobs": 21}, "logprobs", r"integer in \[0, 20\]"),
+    ({"stop": 5}, "stop", r"non-empty strings.*got 5 \(a number\)"),
+    ({"stop_ids": (1, "2")}, "stop_ids", "token ids"),
+    ({"logprobs": 21}, "logprobs", r"integer in 0\.\.20"),
     ({"logprobs": True}, "logprobs", "integer"),
 ])
 def test_bad_settings_are_refused_naming_their_field(fields, field, match):
@@ -79,3 +88,22 @@ def test_bad_settings_are_refused_naming_their_field(fields, field, match):
 def test_mismatched_rows_are_refused():
     with pytest.raises(ValueError, match="3 rows of logits but 2 settings"):
         sample(torch.randn(3, 5), [SamplingParams()] * 2)
+
+
+def test_settings_come_as_json_values_and_are_kept_as_tuples():
+    """The readers of settings (the engine's keywords, the server, batch files) pass plain
+    values: a JSON array, null, or one stop string."""
+    params = SamplingParams(stop="\n\n", stop_ids=[3, 4])
+    assert params.stop == ("\n\n",) and params.stop_ids == (3, 4)
+    assert SamplingParams(stop=["a", "b"], stop_ids=None) == SamplingParams(stop=("a", "b"))
+    hash(params)  # still frozen and hashable
+
+
+def test_a_refusal_says_its_field_in_a_callers_own_words():
+    with pytest.raises(SamplingError) as err:
+        SamplingParams(max_new_tokens=-1)
+    assert err.value.message_for("max_tokens").startswith("max_tokens must be an integer >= 0")
+    assert "max_new_tokens" not in err.value.message_for("max_tokens")
+    assert RequestError("top_k", "top_k must be >= 1, not top_kk").message_for("k") == (
+        "k must be >= 1, not top_kk")  # whole words only
+
