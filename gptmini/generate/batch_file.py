@@ -4,8 +4,8 @@ a wrong value names its file, line and field instead of failing halfway."""
 
 import argparse
 import json
-import math
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import IO
 
@@ -13,10 +13,14 @@ from tiktoken import Encoding
 from torch import nn
 
 from gptmini.generate.engine import Engine
-from gptmini.generate.sampling import SEED_RANGE, json_type
+from gptmini.generate.sampling import SamplingError, SamplingParams
 from gptmini.tokenizer import encode_prompt
 
-BATCH_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+NOT_IN_RECORDS = ("stop_ids", "logprobs")
+"""SamplingParams fields a record cannot set: generate.py stops at <|endoftext|>, and a
+result line carries text, not logprobs."""
+BATCH_SETTINGS = tuple(f.name for f in fields(SamplingParams) if f.name not in NOT_IN_RECORDS)
+"""What a .jsonl record may set besides its prompt: SamplingParams fields, by their names."""
 
 
 def read_batch_file(path: Path) -> list[dict]:
@@ -48,36 +52,17 @@ def read_batch_file(path: Path) -> list[dict]:
         if unknown:
             raise ValueError(f"{path}:{number}: unknown field(s) {sorted(unknown)}; known: "
                              f"prompt, {', '.join(BATCH_SETTINGS)}")
-        for name in BATCH_SETTINGS:
-            if name in record:
-                problem = _field_problem(name, record[name])
-                if problem:
-                    raise ValueError(f"{path}:{number}: \"{name}\" {problem}, got "
-                                     f"{record[name]!r} ({json_type(record[name])})")
+        try:
+            SamplingParams(**settings_of(record))  # checks them, naming the field
+        except SamplingError as err:
+            raise ValueError(f"{path}:{number}: {err}") from None
         records.append(record)
     return records
 
 
-def _field_problem(name: str, value) -> str | None:
-    """What is wrong with a record's setting (its JSON type or range), or None."""
-    integer = isinstance(value, int) and not isinstance(value, bool)
-    number = (integer or isinstance(value, float)) and math.isfinite(value)
-    if name == "max_new_tokens" and not (integer and value >= 0):
-        return "must be an integer >= 0"
-    if name == "temperature" and not (number and value >= 0):
-        return "must be a number >= 0 (0: greedy)"
-    if name == "top_k" and value is not None and not (integer and value >= 1):
-        return "must be an integer >= 1 or null"
-    if name == "top_p" and value is not None and not (number and 0 < value <= 1):
-        return "must be a number in (0, 1] or null"
-    if name == "seed" and value is not None and not (
-            integer and SEED_RANGE[0] <= value < SEED_RANGE[1]):
-        return "must be an integer of 64 bits or null"
-    if name == "stop" and value is not None and not (
-            (isinstance(value, str) and value) or (isinstance(value, list) and all(
-                isinstance(s, str) and s for s in value))):
-        return "must be a non-empty string or a list of them"
-    return None
+def settings_of(record: dict) -> dict:
+    """A record's sampling settings (all but its prompt)."""
+    return {k: v for k, v in record.items() if k != "prompt"}
 
 
 def open_output(path: Path | None) -> IO[str]:
@@ -113,17 +98,15 @@ def generate_batch(model: nn.Module, tokenizer: Encoding, args: argparse.Namespa
     engine = Engine(model, tokenizer, max_batch=args.max_batch)
     requests = []
     for i, record in enumerate(records):
-        settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                    "top_k": top_k, "top_p": args.top_p,
-                    "seed": None if args.seed is None else args.seed + i,
-                    **{k: v for k, v in record.items() if k != "prompt"}}
-        settings["stop"] = tuple([settings["stop"]] if isinstance(settings.get("stop"), str)
-                                 else settings.get("stop") or ())
+        params = SamplingParams(**{  # the flags, then what the record sets itself
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_k": top_k, "top_p": args.top_p,
+            "seed": None if args.seed is None else args.seed + i,
+            "stop_ids": (tokenizer.eot_token,), **settings_of(record)})
         ids = encode_prompt(tokenizer, record["prompt"])
         try:
-            requests.append(engine.add_request(ids,
-                                               stop_ids=(tokenizer.eot_token,), **settings))
-        except (ValueError, TypeError) as err:
+            requests.append(engine.add_request(ids, params))
+        except ValueError as err:
             raise ValueError(f"prompt {i + 1} of {args.batch_file}: {err}") from None
     out = open_output(args.output)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from gptmini.checkpoint import load_on_device
-from gptmini.generate.batch_file import generate_batch
+from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.loop import stream_text
 from gptmini.generate.sampling import SEED_RANGE, SamplingParams
 from gptmini.runtime import add_device_options, resolve_device
@@ -30,9 +30,9 @@ def generate_parser() -> argparse.ArgumentParser:
     text.add_argument("--prompt_file", type=Path, help="read the prompt from this file")
     text.add_argument("--batch_file", type=Path,
                       help="many prompts, batched by the engine: one per line, or .jsonl "
-                           "records with \"prompt\" (and optional max_new_tokens, "
-                           "temperature, top_k, top_p, seed, stop); one JSON result per "
-                           "prompt, in order, to --output")
+                           "records with \"prompt\" (and optional "
+                           f"{', '.join(BATCH_SETTINGS)}); one JSON result per prompt, in "
+                           "order, to --output")
     parser.add_argument("--output", type=Path, default=None,
                         help="with --batch_file: write the results here (default: stdout)")
     parser.add_argument("--max_batch", type=int, default=32,
@@ -58,8 +58,9 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     top_k = args.top_k if args.top_k is not None and args.top_k > 0 else None
     try:
-        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=top_k, top_p=args.top_p)  # checks them, naming the bad one
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=top_k,
+                                  top_p=args.top_p)  # checks them, naming the bad one
         if args.num_samples < 1 or args.max_batch < 1:
             raise ValueError(f"--num_samples >= 1 and --max_batch >= 1 are needed, got "
                              f"--num_samples {args.num_samples} --max_batch {args.max_batch}")
@@ -92,10 +93,8 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
         out.write(prompt)
         out.flush()
-        pieces = stream_text(
-            model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
-            top_k=top_k, top_p=args.top_p, generator=generator,
-        )
+        pieces = stream_text(model, tokenizer, prompt, args.max_new_tokens, sampling=sampling,
+                             generator=generator)
         if args.stream:
             for piece in pieces:
                 out.write(piece)

@@ -18,10 +18,14 @@ Batches of prompts with different lengths are left-padded (`left_pad`) and passe
 `attention_mask`; the model counts positions from each row's first real token, so every row
 generates what its prompt generates alone.
 
+Beyond the book's arguments, the sampling settings come as one `SamplingParams`
+(`sampling=`), and how the run goes as keywords both functions share, `GenerateOptions`.
 """
 
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +34,7 @@ from gptmini.generate.sampling import Detokenizer, SamplingParams, sample, sampl
 from gptmini.tokenizer import encode_prompt
 
 __all__ = [
+    "GenerateOptions",
     "generate",
     "generate_stream",
     "left_pad",
@@ -65,6 +70,33 @@ def left_pad(
     return idx.to(device), mask.to(device)
 
 
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a `generate()` or `generate_stream()` run goes, beyond what it samples: the
+    keywords both take, written once here. Sampling settings are a `SamplingParams`."""
+
+    num_samples: int = 1
+    """Samples per prompt; rows come out prompt by prompt (prompt 0 sample 0, prompt 0
+    sample 1, ..., prompt 1 sample 0, ...)."""
+    attention_mask: Tensor | None = None
+    """(b, num_tokens), 1 at real tokens and 0 at left padding (`left_pad`)."""
+    generator: torch.Generator | None = None
+    """Random source for sampling; a seed in the SamplingParams makes a fresh one instead."""
+    use_cache: bool = False
+    """One prefill, then one token per step against cached keys and values."""
+    slide: str = "recompute"
+    """Past context_size, "recompute" the cache from the cropped context at every step (the
+    book's crop, exactly), or "roll": drop the cache's oldest token and feed the newest
+    alone, as a sliding window of context_size over the whole sequence would. Roll needs
+    use_cache and a model whose positions enter attention only relatively (position rope,
+    alibi or none)."""
+
+    def __post_init__(self):
+        n = self.num_samples
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {n!r}")
+
+
 def generate(
     model: nn.Module,
     idx: Tensor,
@@ -74,18 +106,16 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     *,
-    top_p: float | None = None,
-    num_samples: int = 1,
-    attention_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    seed: int | None = None,
-    use_cache: bool = False,
-    slide: str = "recompute",
+    sampling: SamplingParams | None = None,
+    **options: Any,
 ) -> Tensor:
-    """The book's `generate`, plus top-p, seeding, several samples, batching and a KV cache.
+    """The book's `generate`, plus any sampling setting, several samples, batching and a
+    KV cache.
 
     The positional parameters are the book's, so `generate(model, idx, 50, 256, 1.4, 25)`
-    runs as in chapter 5; everything new is keyword-only.
+    runs as in chapter 5; everything new is keyword-only:
+    `generate(model, idx, 50, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+    use_cache=True)`.
 
     Args:
         model: a `GPTModel` (or any module mapping (b, n) ids to (b, n, vocab) logits when
@@ -98,31 +128,19 @@ def generate(
         eos_id: a row stops when it draws this id; generation stops when every row has.
             As in the book the final eos is not appended; rows that finished earlier are
             filled with `eos_id` until the last one does.
-        top_p: nucleus sampling threshold in (0, 1].
-        num_samples: samples per prompt; rows come out prompt by prompt,
-            (prompt 0 sample 0, prompt 0 sample 1, ..., prompt 1 sample 0, ...).
-        attention_mask: (b, num_tokens), 1 at real tokens and 0 at left padding.
-        generator: random source for sampling; mutually exclusive with `seed`.
-        seed: seed for a fresh generator, so the same seed gives the same text.
-        use_cache: one prefill, then one token per step against cached keys and values.
-        slide: past context_size, "recompute" the cache from the cropped context at every
-            step (the book's crop, exactly), or "roll": drop the cache's oldest token and
-            feed the newest alone, as a sliding window of context_size over the whole
-            sequence would. Roll needs use_cache and a model whose positions enter attention
-            only relatively (position rope, alibi or none).
+        sampling: every sampling setting at once (top_p, seed, ...), instead of
+            `temperature` and `top_k`; its max_new_tokens is replaced by the argument's.
+            Stop strings, stop ids and logprobs are the engine's (`Engine`).
+        **options: `GenerateOptions` fields: num_samples, attention_mask, generator,
+            use_cache, slide.
 
     Returns:
         (b * num_samples, num_tokens + n) ids, the prompt followed by n <= max_new_tokens
         new tokens.
     """
-    prompts, _ = _prepare(idx, attention_mask, num_samples)
-    steps = list(
-        generate_stream(
-            model, idx, max_new_tokens, context_size, temperature, top_k, eos_id,
-            top_p=top_p, num_samples=num_samples, attention_mask=attention_mask,
-            generator=generator, seed=seed, use_cache=use_cache, slide=slide,
-        )
-    )
+    prompts, steps = _start(model, idx, max_new_tokens, context_size, temperature, top_k,
+                            eos_id, sampling, options)
+    steps = list(steps)
     if not steps:
         return prompts
     return torch.cat([prompts, torch.stack(steps, dim=1)], dim=1)
@@ -137,13 +155,8 @@ def generate_stream(
     top_k: int | None = None,
     eos_id: int | None = None,
     *,
-    top_p: float | None = None,
-    num_samples: int = 1,
-    attention_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    seed: int | None = None,
-    use_cache: bool = False,
-    slide: str = "recompute",
+    sampling: SamplingParams | None = None,
+    **options: Any,
 ) -> Iterator[Tensor]:
     """Like `generate`, but yields each step's new tokens as soon as they are drawn.
 
@@ -153,24 +166,62 @@ def generate_stream(
     Yields:
         (b * num_samples,) token ids, one tensor per step.
     """
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed)
-    if generator is not None and seed is not None:
+    return _start(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id,
+                  sampling, options)[1]
+
+
+def _start(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, sampling,
+           options) -> tuple[Tensor, Iterator[Tensor]]:
+    """Check the arguments of `generate`/`generate_stream`: the prompts each row starts
+    from, and the steps still to run."""
+    params = _sampling(max_new_tokens, temperature, top_k, sampling)
+    run = _options(options)
+    if run.generator is not None and params.seed is not None:
         raise ValueError("pass either seed or generator, not both; a seed makes a new generator")
-    idx, mask = _prepare(idx, attention_mask, num_samples)
+    prompts, mask = _prepare(idx, run.attention_mask, run.num_samples)
     context_size = _context_size(model, context_size)
-    _check_slide(model, slide, use_cache)
-    if seed is not None:
-        generator = params.generator(idx.device)
+    _check_slide(model, run.slide, run.use_cache)
+    generator = run.generator if params.seed is None else params.generator(prompts.device)
     if getattr(model, "training", False):
         warnings.warn(
             "generating with a model in training mode: dropout makes outputs random and the "
             "KV cache path differ from recompute; call model.eval() first",
-            stacklevel=2,
+            stacklevel=3,
         )
+    return prompts, _stream(model, prompts, mask, params, context_size, eos_id, generator,
+                            run.use_cache, run.slide == "roll")
 
-    return _stream(model, idx, mask, params, context_size, eos_id, generator, use_cache,
-                   slide == "roll")
+
+def _sampling(max_new_tokens: int, temperature: float, top_k: int | None,
+              sampling: SamplingParams | None) -> SamplingParams:
+    """The run's SamplingParams: the book's arguments, or `sampling` with their budget."""
+    if sampling is None:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if temperature != 0.0 or top_k is not None:
+        raise ValueError(f"temperature={temperature!r}, top_k={top_k!r} and sampling= were "
+                         "both given; put every setting in sampling=SamplingParams(...)")
+    if sampling.stop or sampling.stop_ids or sampling.logprobs is not None:
+        raise ValueError("generate() takes no stop strings, stop_ids or logprobs (it stops at "
+                         "eos_id and returns ids); the engine does: "
+                         "gptmini.generate.engine.Engine")
+    return replace(sampling, max_new_tokens=max_new_tokens)
+
+
+def _options(options: dict[str, Any]) -> GenerateOptions:
+    """`**options` as GenerateOptions; a sampling setting given there says where it goes."""
+    known = {f.name for f in fields(GenerateOptions)}
+    for name in options:
+        if name in known:
+            continue
+        if name in {f.name for f in fields(SamplingParams)}:
+            raise TypeError(f"{name}= is a sampling setting: pass "
+                            f"sampling=SamplingParams({name}=...)")
+        raise TypeError(f"unexpected keyword {name}=; generate() takes the book's arguments, "
+                        f"sampling= and {', '.join(sorted(known))}")
+    return GenerateOptions(**options)
 
 
 @torch.inference_mode()
@@ -223,8 +274,6 @@ def _prepare(
             f"idx must be a (batch, num_tokens) tensor of token ids with num_tokens >= 1, got "
             f"{shape}; use idx.unsqueeze(0) for one prompt and <|endoftext|> for an empty one"
         )
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
     mask = None
     if attention_mask is not None:
         if attention_mask.shape != idx.shape:
@@ -304,11 +353,8 @@ def stream_text(
     prompt: str,
     max_new_tokens: int,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingParams | None = None,
     generator: torch.Generator | None = None,
-    seed: int | None = None,
     stop_at_eos: bool = True,
     use_cache: bool = True,
 ) -> Iterator[str]:
@@ -323,6 +369,8 @@ def stream_text(
         prompt: the text to continue; a special token written in it (`<|endoftext|>`) is
             that token (`gptmini.tokenizer.encode_prompt`, the rule serve.py shares).
         max_new_tokens: most tokens to add.
+        sampling: the sampling settings, as in `generate` (default: greedy).
+        generator: random source for sampling, as in `GenerateOptions`.
         stop_at_eos: stop at `<|endoftext|>` (not printed).
         use_cache: generate with the KV cache (the default here; same greedy tokens).
 
@@ -335,8 +383,8 @@ def stream_text(
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     text, sent = Detokenizer(tokenizer), 0
     for next_ids in generate_stream(
-        model, idx, max_new_tokens, None, temperature, top_k, eot if stop_at_eos else None,
-        top_p=top_p, generator=generator, seed=seed, use_cache=use_cache,
+        model, idx, max_new_tokens, eos_id=eot if stop_at_eos else None, sampling=sampling,
+        generator=generator, use_cache=use_cache,
     ):
         text.add(int(next_ids[0]))
         if len(text.text) > sent:

@@ -1,5 +1,6 @@
 """Sampling, in one place: the settings (`SamplingParams`), the sampler (`sample`), and the
-text of tokens as they come (`Detokenizer`, and `held_back`: what of it a stream may send).
+text of tokens as they come (`Detokenizer`, and `held_back`: what of it a stream may send);
+a refused setting, or prompt, raises a `RequestError` naming its field.
 
 `generate()`, `generate_stream()`, the engine, the server and the command line all build
 one `SamplingParams`, which checks itself, and draw with `sample`, which takes a batch of
@@ -12,15 +13,17 @@ only on its own logits, settings and generator, never on which rows sit beside i
 
 import codecs
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "Detokenizer", "SamplingParams", "TokenLogprobs",
-           "held_back", "json_type", "sample", "sample_next_token", "token_logprobs"]
+__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "Detokenizer", "RequestError", "SamplingError",
+           "SamplingParams", "TokenLogprobs", "held_back", "json_type", "sample",
+           "sample_next_token", "token_logprobs"]
 
 MAX_LOGPROBS = 20
 """Most candidates per token `SamplingParams.logprobs` may ask (OpenAI's limit)."""
@@ -30,9 +33,12 @@ SEED_RANGE = (-2**63, 2**64)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence is sampled; checked when built (ValueError naming the field).
+    """How one sequence is sampled; checked when built (SamplingError naming the field).
 
-    The names are `generate()`'s arguments.
+    The names are `generate()`'s arguments. Every reader of settings builds this object from
+    names and plain values (the engine's `add_request(**settings)`, the server's request
+    fields, `--batch_file` records), so a new field is taken by all of them: sequences may
+    come as lists (JSON arrays) or None and are kept as tuples; `stop` also takes one string.
     """
 
     max_new_tokens: int = 64
@@ -57,41 +63,50 @@ class SamplingParams:
     before top-k and top-p (what the model thinks, not what the filters left)."""
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for f in fields(self):  # lists (JSON arrays) kept as tuples, None (null) as none
+            value = getattr(self, f.name)
+            if isinstance(f.default, tuple) and (value is None or isinstance(value, list)):
+                object.__setattr__(self, f.name, tuple(value or ()))
         t = self.temperature
-        if isinstance(t, bool) or not (isinstance(t, int | float) and math.isfinite(t)) or t < 0:
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise SamplingError(
-                "temperature", f"temperature must be a finite number >= 0, got {t!r}; use 0 "
-                "for greedy decoding or a positive value such as 0.8 to sample")
+                "temperature", f"temperature must be a number, any finite number >= 0, "
+                f"{_got(t)}; use 0 for greedy decoding or a positive value such as 0.8 to "
+                "sample")
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        if k is not None and (not _is_integer(k) or k < 1):
             raise SamplingError(
-                "top_k", f"top_k must be an integer >= 1, got {k!r}; use e.g. 50 to sample "
+                "top_k", f"top_k must be an integer >= 1, {_got(k)}; use e.g. 50 to sample "
                 "among the 50 most likely tokens, or None to turn top-k off")
         p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int | float)
-                              or not 0.0 < p <= 1.0):
+        if p is not None and (not _is_number(p) or not 0.0 < p <= 1.0):
             raise SamplingError(
-                "top_p", f"top_p must be in (0, 1], got {p!r}; use e.g. 0.9 to sample from the "
-                "smallest set of tokens holding 90% of the probability, or None to turn it off")
+                "top_p", f"top_p must be a number in (0, 1], {_got(p)}; use e.g. 0.9 to sample "
+                "from the smallest set of tokens holding 90% of the probability, or None to "
+                "turn it off")
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not _is_integer(n) or n < 0:
             raise SamplingError("max_new_tokens",
-                                f"max_new_tokens must be an integer >= 0, got {n!r}")
+                                f"max_new_tokens must be an integer >= 0, {_got(n)}")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int)
-                              or not -(2**63) <= s < 2**64):  # what manual_seed takes
-            raise SamplingError("seed", f"seed must be an integer in [-2**63, 2**64), got "
-                                f"{s!r}; any smaller integer, e.g. seed % 2**63, seeds as well")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.stop_ids):
-            raise SamplingError("stop_ids", f"stop_ids must be token ids, got {self.stop_ids!r}")
+        if s is not None and (not _is_integer(s)
+                              or not SEED_RANGE[0] <= s < SEED_RANGE[1]):  # manual_seed's
+            raise SamplingError("seed", f"seed must be an integer of 64 bits (in [-2**63, "
+                                f"2**64)), {_got(s)}; any smaller integer, e.g. seed % 2**63, "
+                                "seeds as well")
+        if not isinstance(self.stop_ids, tuple) or not all(map(_is_integer, self.stop_ids)):
+            raise SamplingError("stop_ids", f"stop_ids must be a tuple of token ids, "
+                                f"{_got(self.stop_ids)}")
         n = self.logprobs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
-                              or not 0 <= n <= MAX_LOGPROBS):
-            raise SamplingError("logprobs", f"logprobs must be an integer in [0, "
-                                f"{MAX_LOGPROBS}], got {n!r}; it asks that many candidates "
-                                "per generated token")
-        if not all(isinstance(x, str) and x for x in self.stop):
-            raise SamplingError("stop", f"stop must be non-empty strings, got {self.stop!r}")
+        if n is not None and (not _is_integer(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise SamplingError("logprobs", f"logprobs must be an integer in 0..{MAX_LOGPROBS}, "
+                                f"{_got(n)}; it asks that many candidates per generated token")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x
+                                                       for x in self.stop):
+            raise SamplingError("stop", f"stop must be non-empty strings: one, or a tuple (a "
+                                f"JSON array) of them, {_got(self.stop)}")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A fresh generator seeded with `seed`, or None (torch's global one) without."""
@@ -100,12 +115,35 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
-class SamplingError(ValueError):
-    """A sampling setting out of range; `field` names it (the server answers 400 with it)."""
+class RequestError(ValueError):
+    """A generation request's input refused: `field` names it (a `SamplingParams` field, or
+    "prompt"), so a caller with its own names for the inputs (the server's `max_tokens`)
+    can blame the right one (`message_for`)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+    def message_for(self, name: str) -> str:
+        """The message with the field called `name` wherever it names it."""
+        return re.sub(rf"\b{re.escape(self.field)}\b", lambda _: name, str(self))
+
+
+class SamplingError(RequestError):
+    """A sampling setting out of range; `field` names it (the server answers 400 with it)."""
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_integer(value) or isinstance(value, float)
+
+
+def _got(value: Any) -> str:
+    """The value and its JSON type, for messages read by Python and JSON callers alike."""
+    return f"got {value!r} ({json_type(value)})"
 
 
 def sample(logits: Tensor, params: SamplingParams | Sequence[SamplingParams],
@@ -285,4 +323,4 @@ def json_type(value: Any) -> str:
         return "a number"
     if isinstance(value, str):
         return "a string"
-    return "an array" if isinstance(value, list) else "an object"
+    return "an array" if isinstance(value, list | tuple) else "an object"

@@ -36,19 +36,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from gptmini.generate.engine import Engine, Request
-from gptmini.generate.sampling import SamplingParams, held_back
+from gptmini.generate.sampling import RequestError, held_back
 from gptmini.serve.engine_thread import EngineLoop, Ticker
 from gptmini.serve.page import PageState, checkpoint_panel
 from gptmini.serve.page import router as page_router
-from gptmini.serve.schema import APIError, LogprobsWriter, choice_seed, parse
+from gptmini.serve.schema import (
+    APIError,
+    CompletionRequest,
+    LogprobsWriter,
+    choice_seed,
+    parse,
+    refused,
+)
 from gptmini.tokenizer import encode_prompt
 
 __all__ = ["APIError", "EngineLoop", "ServerState", "choice_seed", "create_app", "drain",
            "parse", "router"]
-
-API_NAMES = {"max_new_tokens": "max_tokens"}
-"""SamplingParams fields whose request field has another name (`SamplingError.field`)."""
-
 
 @dataclass(eq=False)
 class Job:
@@ -149,11 +152,11 @@ async def completions(request: HTTPRequest):
     body = await read_json(request)
     if body is None:
         return Response(status_code=499)
-    prompts, settings = parse(body, state.model_name)
-    asked, limit = len(prompts) * settings["n"], state.max_pending
+    call = parse(body, state.model_name)
+    asked, limit = call.num_completions, state.max_pending
     if asked > limit:
-        raise APIError(400, f"this call asks for {asked} completions ({len(prompts)} "
-                       f"prompts x n={settings['n']}), more than the {limit} the "
+        raise APIError(400, f"this call asks for {asked} completions ({len(call.prompts)} "
+                       f"prompts x n={call.n}), more than the {limit} the "
                        "server holds at once (serve.py --max_pending); split it into "
                        "smaller calls", "prompt")
     state.jobs.intersection_update([j for j in state.jobs if j.in_flight])
@@ -162,68 +165,34 @@ async def completions(request: HTTPRequest):
         raise APIError(429, f"the server is busy ({pending} completions in flight, "
                        f"{asked} more asked, the limit is {limit}); retry later",
                        kind="rate_limit_error")
-    job = submit(state, prompts, settings)
+    job = submit(state, call)
     state.jobs.add(job)
-    if settings["stream"]:
-        return StreamingResponse(stream(state, job, settings), media_type="text/event-stream")
+    if call.stream:
+        return StreamingResponse(stream(state, job, call.include_usage),
+                                 media_type="text/event-stream")
     await wait(state, job, request)
     return respond(state, job)
 
 
-def sampling_params(settings: dict, seed: int | None, stop_ids: tuple[int, ...]
-                    ) -> SamplingParams:
-    """One choice's SamplingParams; a bad setting is a 400 naming its request field."""
+def submit(state: ServerState, call: CompletionRequest) -> Job:
+    """Every choice of `call` into the engine, or none: the engine checks them all first (a
+    refusal is a 400 naming the request's field)."""
+    enc = state.engine.tokenizer
+    encoded = [p if isinstance(p, list) else encode_prompt(enc, p) for p in call.prompts]
+    choices = [(ids, call.choice_sampling(i, (enc.eot_token,)))
+               for ids in encoded for i in range(call.n)]
     try:
-        return SamplingParams(
-            max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
-            top_k=settings["top_k"], top_p=settings["top_p"], seed=seed, stop_ids=stop_ids,
-            stop=settings["stop"], logprobs=settings["logprobs"])
-    except ValueError as err:  # SamplingError names the field it checked
-        name = getattr(err, "field", None)
-        raise APIError(400, str(err), API_NAMES.get(name, name)) from None
-
-
-def check_prompt(engine: Engine, ids: list[int], max_new_tokens: int) -> None:
-    """The engine's refusals of a prompt, as 400s naming the field at fault."""
-    context, vocab = engine.model.cfg.context_length, engine.model.cfg.vocab_size
-    if len(ids) > context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens but context_length is "
-                       f"{context}; shorten it to at most {context} tokens", "prompt")
-    wrong = [t for t in ids if not 0 <= t < vocab]
-    if wrong:
-        raise APIError(400, f"prompt ids must be in [0, {vocab}), got {wrong[:5]}", "prompt")
-    longest = min(len(ids) + max_new_tokens, context)
-    held = engine.blocks.num_blocks * engine.block_size
-    if longest > held:
-        raise APIError(400, f"this request can grow to {longest} tokens, more than the "
-                       f"server's whole KV pool holds ({held}); lower max_tokens",
-                       "max_tokens")
-
-
-def submit(state: ServerState, prompts: list, settings: dict) -> Job:
-    engine, enc = state.engine, state.engine.tokenizer
-    encoded = [p if isinstance(p, list) else encode_prompt(enc, p) for p in prompts]
-    choices = [(ids, i) for ids in encoded for i in range(settings["n"])]
-    params = [sampling_params(settings, None if settings["seed"] is None
-                              else choice_seed(settings["seed"], i), (enc.eot_token,))
-              for _, i in choices]
-    for ids in encoded:
-        check_prompt(engine, ids, settings["max_new_tokens"])
-    requests = []
-    try:
-        for (ids, _), choice_params in zip(choices, params, strict=True):
-            requests.append(state.loop.add(ids, choice_params))
-    except ValueError as err:  # a refusal check_prompt does not know: the prompt's
-        for r in requests:
-            engine.cancel(r)
-        raise APIError(400, str(err), "prompt") from None
-    prompt_ids = [ids for ids, _ in choices]
+        for ids, params in choices:
+            state.engine.check_request(ids, params)
+    except RequestError as err:
+        raise refused(err) from None
+    requests = [state.loop.add(ids, params) for ids, params in choices]
     writers = None
-    if settings["logprobs"] is not None:
+    if call.sampling.logprobs is not None:
         writers = [LogprobsWriter(enc, len(p) if isinstance(p, str) else len(enc.decode(p)))
-                   for p in prompts for _ in range(settings["n"])]
-    return Job(requests, prompt_ids, sum(len(ids) for ids in encoded), settings["stop"],
-               writers, settings["return_token_ids"])
+                   for p in call.prompts for _ in range(call.n)]
+    return Job(requests, [ids for ids, _ in choices], sum(map(len, encoded)),
+               call.sampling.stop, writers, call.return_token_ids)
 
 
 async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
@@ -292,7 +261,7 @@ def event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def stream(state: ServerState, job: Job, settings: dict):
+async def stream(state: ServerState, job: Job, include_usage: bool):
     ident, sent = f"cmpl-{uuid.uuid4().hex}", [0] * len(job.requests)
     reported, tokens_sent = [False] * len(job.requests), [0] * len(job.requests)
 
@@ -326,7 +295,7 @@ async def stream(state: ServerState, job: Job, settings: dict):
                 return
             if not all(reported):
                 await state.ticker.next(0.05)
-        if settings["include_usage"]:
+        if include_usage:
             yield event({"id": ident, "object": "text_completion", "created": int(time.time()),
                          "model": state.model_name, "choices": [], "usage": usage(job)})
         yield "data: [DONE]\n\n"

@@ -1,15 +1,19 @@
-"""The completions request as the server accepts it: every field checked for its JSON type
-and range before anything runs, so a wrong value is a 400 naming the field, never a
-500, and never read by Python truthiness (`"stream": "false"` is not `false`, and
-`"temperature": true` is not 1).
+"""The completions request as the server accepts it, a `CompletionRequest`: every field
+checked for its JSON type and range before anything runs, so a wrong value is a 400 naming
+the field, never a 500, and never read by Python truthiness (`"stream": "false"` is not
+`false`, and `"temperature": true` is not 1).
+
+The sampling settings are `SamplingParams`' fields under their own names (OpenAI's
+`max_tokens` is the one renamed: `API_NAMES`), checked by SamplingParams itself, so a
+field added there is a request field here.
 """
 
 import codecs
 import hashlib
-import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from gptmini.generate.sampling import MAX_LOGPROBS, SEED_RANGE, json_type
+from gptmini.generate.sampling import RequestError, SamplingParams, json_type
 from gptmini.tokenizer import token_text
 
 NEUTRAL = {"echo": (None, False), "best_of": (None, 1),
@@ -17,8 +21,19 @@ NEUTRAL = {"echo": (None, False), "best_of": (None, 1),
            "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "user": None,
            "stream_options": None}
 """Fields clients send by default, accepted at their neutral values (None: checked below)."""
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-         "stop", "stream", "logprobs", "return_token_ids", *NEUTRAL}
+API_NAMES = {"max_new_tokens": "max_tokens"}
+"""SamplingParams fields OpenAI calls otherwise: the one place the two vocabularies differ,
+read both ways (a field's value, and the field an error names)."""
+OPENAI_DEFAULTS = {"max_new_tokens": 16, "temperature": 1.0}
+"""Where OpenAI's default is not SamplingParams' own."""
+SET_BY_SERVER = ("stop_ids",)
+"""SamplingParams fields no request sets: every choice stops at <|endoftext|>."""
+SAMPLING = {API_NAMES.get(f.name, f.name): f.name for f in fields(SamplingParams)
+            if f.name not in SET_BY_SERVER}
+"""Request field -> SamplingParams field: every sampling setting, by its API name."""
+KNOWN = {"model", "prompt", "n", "stream", "return_token_ids", *SAMPLING, *NEUTRAL}
+MAX_STOPS = 4
+"""Most stop strings a request may give (OpenAI's limit)."""
 
 
 class APIError(Exception):
@@ -40,27 +55,13 @@ def choice_seed(seed: int, i: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _integer(body: dict, name: str, default: int | None, low: int,
-             high: int | None = None, span: str | None = None) -> int | None:
+def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
-        span = span or (f">= {low}" if high is None else f"in {low}..{high}")
-        raise APIError(400, f"{name} must be an integer {span}, got {value!r} "
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise APIError(400, f"{name} must be an integer in {low}..{high}, got {value!r} "
                        f"({json_type(value)})", name)
-    return value
-
-
-def _number(body: dict, name: str, default: float | None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value):
-        raise APIError(400, f"{name} must be a number, got {value!r} ({json_type(value)})",
-                       name)
     return value
 
 
@@ -78,8 +79,48 @@ def _neutral(value: Any, neutral: tuple) -> bool:
     return any(value == n and type(value) is type(n) for n in neutral)
 
 
-def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
-    """The prompts and sampling settings of a completions body, or an APIError."""
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A /v1/completions body, checked: what the server reads of it, by attribute."""
+
+    prompts: list[str | list[int]]
+    """Texts, or token ids, one completion (or n) each."""
+    sampling: SamplingParams
+    """Every choice's sampling settings; a seeded request's choices draw from their own
+    seeds (`choice_sampling`)."""
+    n: int = 1
+    """Choices per prompt."""
+    stream: bool = False
+    include_usage: bool = False
+    """A stream ends with an event of usage (`stream_options.include_usage`)."""
+    return_token_ids: bool = False
+    """Each choice carries its token ids (vLLM's `return_token_ids`)."""
+
+    @property
+    def num_completions(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice_sampling(self, i: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+        """Choice i's settings: seeded from (seed, i) when the request has a seed."""
+        seed = self.sampling.seed
+        return replace(self.sampling, seed=None if seed is None else choice_seed(seed, i),
+                       stop_ids=stop_ids)
+
+    @staticmethod
+    def api_name(field: str) -> str:
+        """The request field that holds `field` (a SamplingParams field or "prompt")."""
+        return API_NAMES.get(field, field)
+
+
+def refused(err: RequestError) -> APIError:
+    """The 400 for a setting or prompt that SamplingParams or the engine refused, naming
+    the request's own field (max_tokens, not max_new_tokens), in its message too."""
+    name = CompletionRequest.api_name(err.field)
+    return APIError(400, err.message_for(name), name)
+
+
+def parse(body: Any, model_name: str) -> CompletionRequest:
+    """The completions body as a CompletionRequest, or an APIError naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -103,11 +144,10 @@ def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
             isinstance(p, str) or _is_ids(p) for p in prompts):
         raise APIError(400, "prompt must be a string, a list of strings, a list of token "
                        "ids or a list of such lists", "prompt")
-    stop = body.get("stop")
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, list | tuple) or len(stops) > 4 or not all(
-            isinstance(s, str) and s for s in stops):
-        raise APIError(400, "stop must be a non-empty string or a list of up to 4", "stop")
+    stops = body.get("stop")
+    if isinstance(stops, list) and len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS}",
+                       "stop")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object such as {\"include_usage\": "
@@ -115,21 +155,18 @@ def parse(body: Any, model_name: str) -> tuple[list[str | list[int]], dict]:
     if options and set(options) - {"include_usage"}:
         raise APIError(400, f"stream_options: unsupported field "
                        f"{sorted(set(options) - {'include_usage'})[0]!r}", "stream_options")
-    settings = {
-        "max_new_tokens": _integer(body, "max_tokens", 16, 0),
-        "temperature": _number(body, "temperature", 1.0),
-        "top_p": _number(body, "top_p", None), "top_k": _integer(body, "top_k", None, 1),
-        "stop": tuple(stops), "n": _integer(body, "n", 1, 1, 16),
-        "seed": _integer(body, "seed", None, SEED_RANGE[0], SEED_RANGE[1] - 1,
-                         "of 64 bits (in [-2**63, 2**64))"),
-        "stream": _boolean(body.get("stream"), "stream"),
-        "logprobs": _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
-        "return_token_ids": _boolean(body.get("return_token_ids"), "return_token_ids"),
-        "include_usage": _boolean((options or {}).get("include_usage"),
-                                  "stream_options.include_usage")}
-    if settings["top_p"] is not None and settings["top_p"] == 1:
-        settings["top_p"] = None
-    return prompts, settings
+    settings = {**OPENAI_DEFAULTS, **{field: body[name] for name, field in SAMPLING.items()
+                                      if body.get(name) is not None}}  # null: the default
+    try:
+        sampling = SamplingParams(**settings)
+    except RequestError as err:
+        raise refused(err) from None
+    return CompletionRequest(
+        prompts, sampling, n=_integer(body, "n", 1, 1, 16),
+        stream=_boolean(body.get("stream"), "stream"),
+        include_usage=_boolean((options or {}).get("include_usage"),
+                               "stream_options.include_usage"),
+        return_token_ids=_boolean(body.get("return_token_ids"), "return_token_ids"))
 
 
 def _is_ids(value) -> bool:

@@ -227,11 +227,13 @@ def test_batch_file_errors_name_the_line(tmp_path, capsys):
 
 @pytest.mark.parametrize(("content", "extra", "match"), [
     # Before: each of these ended in a Python traceback or a message naming no file.
-    ('{"prompt": "a", "stop": 5}\n', [], 'bad.jsonl:1: "stop" must be a non-empty string'),
-    ('{"prompt": "a", "temperature": true}\n', [], '"temperature" must be a number >= 0'),
-    ('{"prompt": "a", "max_new_tokens": "5"}\n', [], '"max_new_tokens" must be an integer'),
-    ('{"prompt": "a", "seed": 1180591620717411303424}\n', [], '"seed" must be an integer of 64'),
-    ('{"prompt": "a", "top_k": 2.5}\n', [], '"top_k" must be an integer >= 1 or null'),
+    ('{"prompt": "a", "stop": 5}\n', [], 'bad.jsonl:1: stop must be non-empty strings'),
+    ('{"prompt": "a", "temperature": true}\n', [], 'temperature must be a number, any finite '
+     'number >= 0, got True (a boolean)'),
+    ('{"prompt": "a", "max_new_tokens": "5"}\n', [], 'max_new_tokens must be an integer'),
+    ('{"prompt": "a", "seed": 1180591620717411303424}\n', [], 'seed must be an integer of 64'),
+    ('{"prompt": "a", "top_k": 2.5}\n', [], 'bad.jsonl:1: top_k must be an integer >= 1'),
+    ('{"prompt": "a", "logprobs": 2}\n', [], "unknown field(s) ['logprobs']"),
     (b"\xff\xfe\x00binary", [], "is not UTF-8 text (byte 0 is 0xff)"),
     ('{"prompt": "a"}\n', ["--output", "{dir}"], "is a directory; name a file"),
     ('{"prompt": "a"}\n', ["--output", "{dir}/missing/out.jsonl"], "cannot write there"),

@@ -12,6 +12,7 @@ import torch
 
 from gptmini.generate.engine import Engine, SamplingParams
 from gptmini.generate.loop import generate
+from gptmini.generate.sampling import RequestError
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import byte_tokenizer
 
@@ -26,9 +27,10 @@ def model():
     return GPTModel(cfg).double().eval()
 
 
-def alone(model, prompt, max_new_tokens, **kw) -> list[int]:
+def alone(model, prompt, max_new_tokens, **settings) -> list[int]:
     """The oracle: generate() on this prompt by itself, with the KV cache."""
-    out = generate(model, torch.tensor([prompt]), max_new_tokens, use_cache=True, **kw)
+    out = generate(model, torch.tensor([prompt]), max_new_tokens, use_cache=True,
+                   sampling=SamplingParams(**settings))
     return out[0, len(prompt):].tolist()
 
 
@@ -150,7 +152,7 @@ def test_a_shared_prompt_is_computed_once_and_its_blocks_are_shared(model):
     (list(range(CONTEXT + 1)), {}, "never crops a prompt"),
     ([1, 2], {"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
     ([1, 2], {"temperature": -0.5}, "temperature must be"),
-    ([1, 2], {"top_p": 1.5}, "top_p must be in"),
+    ([1, 2], {"top_p": 1.5}, "top_p must be a number in"),
     ([1, 300], {}, "prompt ids must be in"),
     ([1, 2], {"stop": ("x",)}, "stop strings need the engine's tokenizer"),
 ])
@@ -175,6 +177,27 @@ def test_a_request_that_can_never_fit_the_pool_is_refused(model):
     engine = Engine(model, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="more than the whole KV pool"):
         engine.add_request([1] * 10, max_new_tokens=10)
+
+
+@pytest.mark.parametrize(("prompt", "settings", "field"), [
+    ([], {}, "prompt"),
+    (list(range(CONTEXT + 1)), {}, "prompt"),
+    ([1, 300], {}, "prompt"),
+    ([1] * 10, {"max_new_tokens": 10}, "max_new_tokens"),  # 5 blocks of 4, the pool has 3
+    ([1, 2], {"temperature": -1.0}, "temperature"),
+])
+def test_a_refusal_names_the_field_at_fault_and_checking_adds_nothing(model, prompt, settings,
+                                                                       field):
+    """The server answers 400 with the field an engine refusal names (max_tokens for
+    max_new_tokens), instead of repeating the engine's checks."""
+    engine = Engine(model, block_size=4, num_blocks=3)
+    with pytest.raises(RequestError) as err:
+        engine.check_request(prompt, SamplingParams(**settings))
+    assert err.value.field == field and not engine.has_work
+    with pytest.raises(RequestError) as again:
+        engine.add_request(prompt, **settings)
+    assert again.value.field == field and str(again.value) == str(err.value)
+    assert not engine.has_work
 
 
 def test_requests_added_from_many_threads_while_the_engine_steps(model):

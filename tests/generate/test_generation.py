@@ -1,5 +1,7 @@
 """Sampling, generate() and the KV cache: the book's function and what it grew into."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import make_model
@@ -11,6 +13,7 @@ from gptmini.generate.loop import (
     sample_next_token,
     stream_text,
 )
+from gptmini.generate.sampling import SamplingParams
 from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
 
@@ -94,7 +97,7 @@ def test_cache_grows_past_its_first_buffer():
 
 def test_sampling_with_cache_equals_without(model):
     idx = torch.randint(0, 64, (2, 4))
-    kwargs = {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 7}
+    kwargs = {"sampling": SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7)}
     assert torch.equal(
         generate(model, idx, 30, use_cache=True, **kwargs), generate(model, idx, 30, **kwargs)
     )
@@ -102,11 +105,14 @@ def test_sampling_with_cache_equals_without(model):
 
 def test_generation_leaves_the_model_as_it_was(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 64, (2, 7))
+    logits = model(idx)
     stream = generate_stream(model, torch.zeros(1, 1, dtype=torch.long), 10, use_cache=True)
     next(stream)
     next(stream)  # abandoned half-way
     del stream
-    assert not model.out_head._forward_pre_hooks
+    # every position's logits, as before: nothing left behind (e.g. a hook keeping the last)
+    assert torch.equal(model(idx), logits)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not model.training
 
@@ -140,14 +146,16 @@ def test_left_pad_layout():
 def test_top_k_1_equals_greedy(model):
     idx = torch.randint(0, 64, (3, 4))
     greedy = generate(model, idx, 15, use_cache=True)
-    assert torch.equal(generate(model, idx, 15, temperature=1.5, top_k=1, seed=0), greedy)
-    assert torch.equal(generate(model, idx, 15, temperature=1.5, top_p=1e-6, seed=0), greedy)
+    assert torch.equal(generate(model, idx, 15, 16, 1.5, 1), greedy)  # the book's top_k=1
+    for narrow in (SamplingParams(temperature=1.5, top_k=1, seed=0),
+                   SamplingParams(temperature=1.5, top_p=1e-6, seed=0)):
+        assert torch.equal(generate(model, idx, 15, sampling=narrow), greedy)
 
 
 def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
     idx = torch.randint(0, 64, (2, 4))
     state = torch.random.get_rng_state()
-    outs = [generate(model, idx, 10, temperature=0.0, top_k=5, seed=s) for s in (1, 2)]
+    outs = [generate(model, idx, 10, sampling=SamplingParams(top_k=5, seed=s)) for s in (1, 2)]
     outs.append(generate(model, idx, 10))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.equal(torch.random.get_rng_state(), state)
@@ -155,17 +163,20 @@ def test_temperature_zero_ignores_the_seed_and_draws_nothing(model):
 
 def test_same_seed_repeats_and_different_seeds_differ(model):
     idx = torch.randint(0, 64, (1, 4))
-    kwargs = {"temperature": 1.0, "use_cache": True}
-    a, b = (generate(model, idx, 30, seed=11, **kwargs) for _ in range(2))
+    a, b = (generate(model, idx, 30, sampling=SamplingParams(temperature=1.0, seed=11),
+                     use_cache=True) for _ in range(2))
     assert torch.equal(a, b)
-    assert not torch.equal(a, generate(model, idx, 30, seed=12, **kwargs))
-    gen = torch.Generator().manual_seed(11)
-    assert torch.equal(a, generate(model, idx, 30, generator=gen, **kwargs))
+    assert not torch.equal(a, generate(model, idx, 30, sampling=SamplingParams(
+        temperature=1.0, seed=12), use_cache=True))
+    gen = torch.Generator().manual_seed(11)  # the book's arguments with a generator
+    assert torch.equal(a, generate(model, idx, 30, temperature=1.0, generator=gen,
+                                   use_cache=True))
 
 
 def test_several_samples_per_prompt(model):
     idx = torch.randint(0, 64, (2, 3))
-    out = generate(model, idx, 20, temperature=1.0, num_samples=3, seed=0, use_cache=True)
+    out = generate(model, idx, 20, sampling=SamplingParams(temperature=1.0, seed=0),
+                   num_samples=3, use_cache=True)
     assert out.shape == (6, 23)
     assert torch.equal(out[:3, :3], idx[0].expand(3, 3))
     assert torch.equal(out[3:, :3], idx[1].expand(3, 3))
@@ -193,9 +204,9 @@ def test_top_k_larger_than_the_vocabulary_samples_as_without_top_k(model):
                  for s in range(200)]
         assert draws == plain and set(draws) == {0, 1, 2, 3}
     idx = torch.randint(0, 64, (2, 3))
-    wide = generate(model, idx, 12, temperature=1.0, top_k=1000, seed=3)
-    assert torch.equal(wide, generate(model, idx, 12, temperature=1.0, seed=3))
-    assert torch.equal(wide, generate(model, idx, 12, temperature=1.0, top_k=64, seed=3))
+    wide, plain, whole = (generate(model, idx, 12, sampling=SamplingParams(
+        temperature=1.0, top_k=k, seed=3)) for k in (1000, None, 64))
+    assert torch.equal(wide, plain) and torch.equal(wide, whole)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -225,8 +236,8 @@ def test_eos_in_a_batch_pads_finished_rows_until_all_stop(model):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stream_yields_what_generate_returns(model, use_cache):
     idx, mask = left_pad([torch.randint(0, 64, (n,)) for n in (3, 6)])
-    kwargs = {"temperature": 0.9, "top_k": 30, "seed": 3, "attention_mask": mask,
-              "num_samples": 2, "use_cache": use_cache}
+    kwargs = {"sampling": SamplingParams(temperature=0.9, top_k=30, seed=3),
+              "attention_mask": mask, "num_samples": 2, "use_cache": use_cache}
     steps = list(generate_stream(model, idx, 12, **kwargs))
     assert all(s.shape == (4,) for s in steps)
     out = generate(model, idx, 12, **kwargs)
@@ -247,13 +258,15 @@ def test_stream_text_decodes_what_generate_returns():
     [
         ({"temperature": -0.5}, "temperature must be .* >= 0"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": 0}, "top_k must be an integer >= 1"),
         ({"top_k": -3}, "top_k must be an integer >= 1"),
         ({"top_k": 2.5}, "top_k must be an integer >= 1"),
         ({"num_samples": 0}, "num_samples"),
-        ({"seed": 1, "generator": torch.Generator()}, "either seed or generator"),
+        ({"sampling": SamplingParams(seed=1), "generator": torch.Generator()},
+         "either seed or generator"),
+        ({"sampling": SamplingParams(), "temperature": 0.5}, "put every setting in sampling"),
+        ({"sampling": SamplingParams(stop=("x",))}, "the engine does"),
+        ({"sampling": SamplingParams(logprobs=2)}, "the engine does"),
         ({"context_size": 17}, "exceeds the model's context_length=16"),
         ({"max_new_tokens": -1}, "max_new_tokens"),
     ],
@@ -266,6 +279,30 @@ def test_bad_input_names_the_argument_and_the_fix(model, kwargs, match):
         generate(model, torch.zeros(1, 2, dtype=torch.long), **kwargs)
     with pytest.raises(ValueError, match=match):
         generate_stream(model, torch.zeros(1, 2, dtype=torch.long), **kwargs)  # no next()
+
+
+def test_the_sampling_object_takes_every_setting_and_the_call_its_budget(model):
+    idx = torch.randint(0, 64, (2, 4))
+    settings = SamplingParams(max_new_tokens=50, temperature=1.3, top_k=9, top_p=1e-6, seed=4)
+    out = generate(model, idx, 6, sampling=settings)
+    assert out.shape == (2, 10)  # the argument's max_new_tokens, not the object's
+    assert torch.equal(out, generate(model, idx, 6))  # top_p applied: only the likeliest
+    steps = list(generate_stream(model, idx, 6, sampling=settings))
+    assert torch.equal(torch.stack(steps, dim=1), out[:, 4:])
+    assert not torch.equal(out, generate(model, idx, 6, sampling=replace(settings, top_p=None)))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"top_p": 0.9}, r"top_p= is a sampling setting: pass sampling=SamplingParams\(top_p"),
+    ({"seed": 1}, r"sampling=SamplingParams\(seed"),
+    ({"use_cach": True}, "unexpected keyword use_cach=.*use_cache"),
+    ({"sampling": {"top_p": 0.9}}, "sampling must be a SamplingParams"),
+])
+def test_keywords_in_the_wrong_place_say_where_they_go(model, kwargs, match):
+    """top_p= and seed= were generate()'s own keywords; they are SamplingParams fields now."""
+    for call in (generate, generate_stream):
+        with pytest.raises(TypeError, match=match):
+            call(model, torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
 
 
 def test_bad_prompts_and_masks(model):
@@ -314,7 +351,8 @@ def test_rolling_past_the_context_is_one_pass_with_a_window_of_the_context(posit
     prompts, mask = left_pad([[5, 9, 2, 7, 1], [3, 8]])
     # sampled with one seed: equal float64 logits draw equal tokens, and any difference in
     # the logits shows as soon as a draw flips (greedy text of a tiny model repeats itself)
-    options = {"attention_mask": mask, "use_cache": True, "temperature": 1.0, "seed": 0}
+    options = {"attention_mask": mask, "use_cache": True,
+               "sampling": SamplingParams(temperature=1.0, seed=0)}
     got = generate(model, prompts, 30, slide="roll", **options)
     assert torch.equal(got, generate(oracle, prompts, 30, **options))
     if position == "rope":  # (recompute crops and re-positions: a different computation)

@@ -34,7 +34,13 @@ from torch import Tensor, nn
 from gptmini.generate.engine.request import Request
 from gptmini.generate.engine.runner import ModelRunner
 from gptmini.generate.engine.scheduler import Scheduler
-from gptmini.generate.sampling import Detokenizer, SamplingParams, sample, token_logprobs
+from gptmini.generate.sampling import (
+    Detokenizer,
+    RequestError,
+    SamplingParams,
+    sample,
+    token_logprobs,
+)
 
 
 class Engine:
@@ -92,32 +98,12 @@ class Engine:
         `SamplingParams` fields, for `params` not given.
 
         Raises:
-            ValueError: an empty prompt, one longer than context_length, ids outside the
-                vocabulary, invalid sampling settings, stop strings without a tokenizer,
-                or a request the pool could never hold.
+            RequestError: what `check_request` refuses, or invalid sampling settings
+                (`SamplingError`); its `field` names the input at fault.
         """
         params = params or SamplingParams(**settings)  # checks itself
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty; start it with <|endoftext|> "
-                             "(tokenizer.eot_token) to generate from nothing")
-        if len(prompt) > self.context:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens but context_length is {self.context}; "
-                f"shorten it to at most {self.context} (the engine never crops a prompt)")
-        vocab = self.model.cfg.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt ids must be in [0, {vocab}), got "
-                             f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the engine's tokenizer: Engine(model, "
-                             "tokenizer, ...)")
-        longest = min(len(prompt) + params.max_new_tokens, self.context)
-        if math.ceil(longest / self.block_size) > self.blocks.num_blocks:
-            raise ValueError(
-                f"this request can grow to {longest} tokens, more than the whole KV pool "
-                f"({self.blocks.num_blocks} blocks of {self.block_size}); raise num_blocks "
-                "or lower max_new_tokens")
+        self.check_request(prompt, params)
         request = Request(next(self._ids), prompt, params)
         if self.tokenizer is not None:
             request.detokenizer = Detokenizer(self.tokenizer, params.stop)
@@ -128,6 +114,34 @@ class Engine:
         with self._lock:
             self._incoming.append(request)
         return request
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise the `RequestError` `add_request` would, adding nothing: an empty prompt,
+        one longer than context_length (the engine never crops one), ids outside the
+        vocabulary, stop strings without a tokenizer, or a request the whole pool could
+        never hold. Its `field` names the input at fault ("prompt" or a SamplingParams
+        field), so a caller can check every request of a batch before adding any."""
+        if not prompt:
+            raise RequestError("prompt", "the prompt is empty; start it with <|endoftext|> "
+                               "(tokenizer.eot_token) to generate from nothing")
+        if len(prompt) > self.context:
+            raise RequestError(
+                "prompt", f"the prompt has {len(prompt)} tokens but context_length is "
+                f"{self.context}; shorten it to at most {self.context} (the engine never "
+                "crops a prompt)")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise RequestError("prompt", f"prompt ids must be in [0, {vocab}), got "
+                               f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop", "stop strings need the engine's tokenizer: "
+                               "Engine(model, tokenizer, ...)")
+        longest = min(len(prompt) + params.max_new_tokens, self.context)
+        if math.ceil(longest / self.block_size) > self.blocks.num_blocks:
+            raise RequestError(
+                "max_new_tokens", f"this request can grow to {longest} tokens, more than "
+                f"the whole KV pool ({self.blocks.num_blocks} blocks of {self.block_size}); "
+                "lower max_new_tokens or raise num_blocks")
 
     def cancel(self, request: Request | int) -> None:
         """Stop a request at the next step; its blocks go back to the pool. Any thread."""
