@@ -145,7 +145,7 @@ def resolve_source(
         )
     raise FileNotFoundError(
         f"corpus path {text!r} does not exist. Pass an existing file, directory or glob "
-        "(for example --data.source 'data/*.txt'), or leave source unset to train on the "
+        "(for example --data.corpus.source 'data/*.txt'), or leave source unset to train on the "
         "embedded Shakespeare corpus"
     )
 
@@ -221,7 +221,7 @@ def pin_revision(spec: CorpusSpec) -> CorpusSpec:
     The token cache is keyed on the commit, so a new upstream revision is tokenized again
     instead of served from a stale cache, and the documents are read at that commit. Online
     the hub says which commit a branch or tag is at; offline, `datasets` answers from the
-    copy it cached. A full commit hash (--data.hub_revision) needs no lookup.
+    copy it cached. A full commit hash (--data.corpus.hub_revision) needs no lookup.
 
     Raises:
         ConnectionError: offline, with no cached copy of the dataset to name a commit.
@@ -239,7 +239,8 @@ def pin_revision(spec: CorpusSpec) -> CorpusSpec:
             f"no file or directory {spec.hub_name!r} here, so it was taken for a Hugging Face "
             f"hub dataset; but the hub could not say which revision to read ({err}), and "
             f"datasets has no cached copy. {_did_you_mean(spec.hub_name)}For a hub dataset, "
-            "connect once or pin a commit with --data.hub_revision; offline, train on local "
-            "files (--data.source corpus.txt, a directory, or a glob like 'data/*.jsonl')"
+            "connect once or pin a commit with --data.corpus.hub_revision; offline, train on "
+            "local files (--data.corpus.source corpus.txt, a directory, or a glob like "
+            "'data/*.jsonl')"
         ) from err
     return replace(spec, hub_revision=builder.hash)

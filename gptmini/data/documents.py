@@ -52,9 +52,9 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
             raise ConnectionError(
                 f"cannot reach the Hugging Face hub for dataset {spec.hub_name!r} ({err}). "
                 f"No local path named {spec.hub_name!r} exists either. Offline, train on local "
-                "files: --data.source corpus.txt, a directory, or a glob like 'data/*.jsonl' "
-                "(with --data.text_field for json/parquet); or download the dataset once while "
-                "online so datasets' cache has it"
+                "files: --data.corpus.source corpus.txt, a directory, or a glob like "
+                "'data/*.jsonl' (with --data.corpus.text_field for json/parquet); or download "
+                "the dataset once while online so datasets' cache has it"
             ) from err
         docs = _select_text(docs, spec.text_field, spec.description)
         return _check_missing_text(docs, spec, spec.description)
@@ -135,7 +135,7 @@ def _select_text(docs, text_field: str, where: str, rename: bool = True):
         hint = columns[0] if columns else "NAME"
         raise ValueError(
             f"{where} has no field {text_field!r}; its fields are {columns}. Pass the one "
-            f"holding the text as text_field (--data.text_field {hint})"
+            f"holding the text as text_field (--data.corpus.text_field {hint})"
         )
     features = docs.features
     if features is not None and text_field in features:
@@ -174,8 +174,8 @@ def missing_text(
     if not spec.skip_missing_text:
         raise ValueError(
             f"{missing} of {total} records in {where} have no {spec.text_field!r} field (the "
-            f"first is {place}). Fix them, or pass --data.skip_missing_text true to train on "
-            "the others"
+            f"first is {place}). Fix them, or pass --data.corpus.skip_missing_text true to "
+            "train on the others"
         )
     _log.info(f"skipping {missing} of {total} records in {where} that have no "
               f"{spec.text_field!r} field (the first is {place})")
@@ -293,7 +293,7 @@ def _not_utf8(spec: CorpusSpec, cause: UnicodeDecodeError) -> ValueError:
     )
     return ValueError(
         f"{where}. Convert it to UTF-8 (for Latin-1 text: iconv -f latin1 -t utf-8), or "
-        "pass encoding_errors='replace' (--data.encoding_errors replace) to read bad bytes "
+        "pass encoding_errors='replace' (--data.corpus.encoding_errors replace) to read bad bytes "
         "as U+FFFD, or 'ignore' to drop them"
     )
 

@@ -125,7 +125,7 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(tmp_path, mo
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (offline)")
 
     monkeypatch.setattr(datasets, "load_dataset_builder", offline)
-    with pytest.raises(ConnectionError, match="which revision .* --data.hub_revision"):
+    with pytest.raises(ConnectionError, match="which revision .* --data.corpus.hub_revision"):
         tokenize(hub_revision="main")
 
 
