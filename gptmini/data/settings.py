@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gptmini.data.corpus import CorpusSpec, resolve_source
+from gptmini.data.corpus import CorpusSpec, check_error_handler, resolve_source
 from gptmini.data.tokens import tokenize_corpus
 from gptmini.data.vocab import fit_tokenizer
 from gptmini.data.windows import SlidingWindowDataset, check_positive
@@ -65,6 +65,7 @@ class Corpus:
 
     def __post_init__(self):
         check_positive(num_proc=self.num_proc)
+        check_error_handler(self.encoding_errors)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={self.val_fraction} must be in [0, 1); 0 disables it")
 
