@@ -3,7 +3,7 @@
 A corpus of many short documents is built at run time from the embedded Shakespeare: each
 sonnet and each scene of each play is one document (742 of them). The default model
 then trains on it for the same number of steps, hence on the same tokens, with and without
---data.document_mask, with 3 seeds each (the seed sets the initial weights, dropout and the
+--data.windows.document_mask, with 3 seeds each (the seed sets the initial weights, dropout and the
 data order); windows of 256 tokens, so that many hold a document's edge. Each run prints
 its validation loss (each model validated as it was trained), and the end the mean and the
 spread of the difference. nanochat measured no gain from document masks; modded-nanogpt
@@ -47,14 +47,15 @@ def short_documents() -> list[str]:
 
 def run(root: Path, corpus: Path, seed: int, masked: bool, steps: int) -> float:
     name = f"{'masked' if masked else 'plain'}-{seed}"
-    args = ["--data.source", str(corpus), "--data.document_mask", str(masked).lower(),
-            "--seed_everything", str(seed), "--data.seed", str(seed),
+    args = ["--data.corpus.source", str(corpus),
+            "--data.windows.document_mask", str(masked).lower(),
+            "--seed_everything", str(seed), "--data.loader.seed", str(seed),
             "--trainer.default_root_dir", str(root), "--run_name", name,
             "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
             "--trainer.limit_val_batches", "1.0", "--model.context_length", "256",
-            "--data.val_fraction", "0.05", "--checkpoint_every", str(steps),
+            "--data.corpus.val_fraction", "0.05", "--checkpoint_every", str(steps),
             "--sample_every", "0", "--trainer.enable_progress_bar", "false",
-            "--data.cache_dir", str(root / "cache")]
+            "--data.corpus.cache_dir", str(root / "cache")]
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(repo / "train.py"), *args], cwd=root,
                           capture_output=True, text=True, timeout=3600)

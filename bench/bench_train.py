@@ -53,7 +53,7 @@ def lightning_tokens_per_sec(steps: int, warmup: int, root: str, context: int, p
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_model_summary", "false",
             "--checkpoint_every", str(10**9), "--sample_every", "0",
             "--model.drop_rate", "0.0", "--model.warmup_steps", "10",
-            "--data.batch_size", str(BATCH), f"--model.context_length={context}"]
+            "--data.loader.batch_size", str(BATCH), f"--model.context_length={context}"]
     args += [f"--model.{key}={value}" for key, value in SHAPE.items()]
     cli = build_cli(args)
     timer = StepTimer(warmup)

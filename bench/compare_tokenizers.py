@@ -39,8 +39,8 @@ def train(root: Path, name: str, tokenizer: str, steps: int, seconds: float | No
     """Run train.py; (run directory, metrics rows, wall-clock seconds)."""
     args = ["--model.tokenizer", tokenizer, "--trainer.default_root_dir", str(root),
             "--run_name", name, "--trainer.max_steps", str(steps),
-            "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(root / "cache"),
-            *extra]
+            "--trainer.enable_progress_bar", "false",
+            "--data.corpus.cache_dir", str(root / "cache"), *extra]
     if seconds is not None:
         args += ["--trainer.max_time", f"00:00:{int(seconds // 60):02d}:{int(seconds % 60):02d}"]
     start = time.perf_counter()

@@ -36,8 +36,8 @@ TINY = ["--trainer.accelerator", "cpu", "--trainer.max_steps", "8",
         "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
         "--checkpoint_every", "4", "--sample_every", "0", "--model.context_length", "16",
         "--model.emb_dim", "32", "--model.n_heads", "2", "--model.n_layers", "2",
-        "--model.warmup_steps", "2", "--model.peak_flops", "1e10", "--data.batch_size", "4",
-        "--data.val_fraction", "0.1"]
+        "--model.warmup_steps", "2", "--model.peak_flops", "1e10", "--data.loader.batch_size", "4",
+        "--data.corpus.val_fraction", "0.1"]
 
 # Stop a run after `step` optimizer steps from Python (old and new trees have these names).
 STOP_AT = """
@@ -77,7 +77,8 @@ class Lab:
     def args(self, where: Path, *extra: str, source: Path | str | None = None) -> list[str]:
         source = self.corpus if source is None else source
         return [*TINY, "--trainer.default_root_dir", str(where / "runs"), "--run_name", "r",
-                "--data.cache_dir", str(where / "cache"), "--data.source", str(source), *extra]
+                "--data.corpus.cache_dir", str(where / "cache"),
+                "--data.corpus.source", str(source), *extra]
 
     def run(self, script: str, *args: str, cwd: Path, timeout: float = 600, **kwargs):
         return subprocess.run([sys.executable, str(self.tree / script), *args], cwd=cwd,
@@ -150,7 +151,7 @@ def missing_text(skip: bool):
         where = lab.folder()
         records = [r if i % 2 else {"body": r["text"]} for i, r in enumerate(GOOD)]
         (where / "d.jsonl").write_text(jsonl(records))
-        extra = ["--data.skip_missing_text", "true"] if skip else []
+        extra = ["--data.corpus.skip_missing_text", "true"] if skip else []
         proc = lab.run("train.py", *lab.args(where, *extra, source=where / "d.jsonl"),
                        cwd=where)
         result = outcome(proc)
@@ -204,7 +205,7 @@ def resume_exactly(extra: list[str], ranks: int = 1, total: int = 12):
         corpus.write_text(" ".join(str(i) for i in range(3000)))
         common = [*extra, "--model.drop_rate", "0.1", "--checkpoint_every", "1",
                   "--trainer.max_steps", str(total), "--trainer.val_check_interval", "4",
-                  "--data.stride", "4"]
+                  "--data.windows.stride", "4"]
         if ranks > 1:
             common += ["--trainer.devices", str(ranks), "--trainer.strategy", "ddp"]
         env_port = {"MASTER_PORT": str(29600 + lab.n)}
@@ -669,7 +670,7 @@ CASES = {
     "Latin-1 bytes": train_case({"l.txt": "caf\u00e9 ".encode("latin-1") * 300},
                                 source="{d}/l.txt"),
     "Latin-1 bytes, with encoding_errors replace": train_case(
-        {"l.txt": "caf\u00e9 ".encode("latin-1") * 300}, "--data.encoding_errors", "replace",
+        {"l.txt": "caf\u00e9 ".encode("latin-1") * 300}, "--data.corpus.encoding_errors", "replace",
         source="{d}/l.txt", expect_error=False),
     "UTF-16 text": train_case({"w.txt": ("\ufeff" + "wide text " * 300).encode("utf-16-le")},
                               source="{d}/w.txt"),
@@ -682,16 +683,16 @@ CASES = {
                                            source="{d}/d.jsonl"),
     "jsonl records without the text field": missing_text(skip=False),
     "the same, skipping them on purpose": missing_text(skip=True),
-    "a text_field that no record has": train_case({"d.jsonl": jsonl(GOOD)}, "--data.text_field",
-                                                  "body", source="{d}/d.jsonl"),
+    "a text_field that no record has": train_case(
+        {"d.jsonl": jsonl(GOOD)}, "--data.corpus.text_field", "body", source="{d}/d.jsonl"),
     "a text_field holding numbers": train_case(
         {"d.jsonl": jsonl([{"text": 1} for _ in range(50)])}, source="{d}/d.jsonl"),
     "json files whose fields differ": train_case(
         {"a.jsonl": jsonl(GOOD), "b.jsonl": jsonl([{**r, "id": i} for i, r in enumerate(GOOD)])},
         source="{d}/*.jsonl", expect_error=False),
-    "val_fraction 1.5": train_case({}, "--data.val_fraction", "1.5"),
-    "batch_size 0": train_case({}, "--data.batch_size", "0"),
-    "num_workers -1": train_case({}, "--data.num_workers", "-1"),
+    "val_fraction 1.5": train_case({}, "--data.corpus.val_fraction", "1.5"),
+    "batch_size 0": train_case({}, "--data.loader.batch_size", "0"),
+    "num_workers -1": train_case({}, "--data.loader.num_workers", "-1"),
     # --- the command line
     "max_steps -5": train_case({}, "--trainer.max_steps", "-5"),
     "accelerator gpu without a GPU": train_case({}, "--trainer.accelerator", "gpu"),
@@ -717,7 +718,7 @@ CASES = {
                                           "--ckpt_path", "t.ckpt"),
     "a second run under the same --run_name": reuse_run_name,
     "a new learning rate on resume": resume_changed_lr,
-    "resume exactly, 2 data loader workers": resume_exactly(["--data.num_workers", "2"]),
+    "resume exactly, 2 data loader workers": resume_exactly(["--data.loader.num_workers", "2"]),
     "resume exactly, gradient accumulation 2": resume_exactly(
         ["--trainer.accumulate_grad_batches", "2"]),
     "resume exactly, 2 DDP ranks with dropout": resume_exactly([], ranks=2, total=6),

@@ -23,6 +23,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from gptmini.threads import sleep_when_idle
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 from machine import cpu_description  # noqa: E402  (bench/machine.py, this folder's)
 
 from gptmini.analysis.evaluate import score_text  # noqa: E402
-from gptmini.data import GPTDataModule  # noqa: E402
+from gptmini.data import Corpus, GPTDataModule, Windows  # noqa: E402
 from gptmini.data.vocab import parse_bpe  # noqa: E402
 from gptmini.model import GPTConfig, GPTModel  # noqa: E402
 from gptmini.runtime import auto_precision  # noqa: E402
@@ -73,10 +74,9 @@ def recipe_settings(name: str, overrides: dict | None = None) -> dict:
 def corpus(cache_dir: str | None):
     """(tokenizer, training windows, validation tokens) of the default run's data."""
     length = BOOK["model"]["context_length"]
-    data = GPTDataModule(max_length=length, val_fraction=0.05, cache_dir=cache_dir)
-    vocab = data.fit_tokenizer(parse_bpe("bpe:4096"))  # cached, as train.py fits it
-    data = GPTDataModule(tokenizer=str(vocab), max_length=length, val_fraction=0.05,
-                         cache_dir=cache_dir)
+    corpus = Corpus(val_fraction=0.05, cache_dir=cache_dir)
+    vocab = corpus.fit_tokenizer(parse_bpe("bpe:4096"))  # cached, as train.py fits it
+    data = GPTDataModule(replace(corpus, tokenizer=str(vocab)), Windows(max_length=length))
     data.setup("fit")
     return load_tokenizer(vocab), data.train_dataset, data.val_dataset.tokens
 

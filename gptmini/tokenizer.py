@@ -67,7 +67,7 @@ def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
 @cache
 def _named(name: str, version: tuple[int, int] | None = None) -> tiktoken.Encoding:
     if name == "gpt2":
-        return _gpt2_offline()
+        return gpt2_tokenizer()
     if name == "byte":
         return byte_tokenizer()
     if name.startswith("bpe:"):
@@ -95,19 +95,25 @@ def _named(name: str, version: tuple[int, int] | None = None) -> tiktoken.Encodi
         ) from err
 
 
-def _gpt2_offline() -> tiktoken.Encoding:
-    if not GPT2_VOCAB.is_file():
+def gpt2_tokenizer(vocab: Path = GPT2_VOCAB) -> tiktoken.Encoding:
+    """GPT-2's encoding built offline from the vocabulary file gptmini ships (what
+    `get_tokenizer("gpt2")` returns, cached), after checking the file's sha256.
+
+    Raises:
+        RuntimeError: `vocab` is missing, or not GPT-2's vocabulary byte for byte.
+    """
+    if not vocab.is_file():
         raise RuntimeError(
-            f"the GPT-2 vocabulary {GPT2_VOCAB} is missing; reinstall gptmini "
+            f"the GPT-2 vocabulary {vocab} is missing; reinstall gptmini "
             "(pip install -e .) so its assets are in place"
         )
-    digest = hashlib.sha256(GPT2_VOCAB.read_bytes()).hexdigest()
+    digest = hashlib.sha256(vocab.read_bytes()).hexdigest()
     if digest != GPT2_SHA256:
         raise RuntimeError(
-            f"the GPT-2 vocabulary {GPT2_VOCAB} is altered (sha256 {digest}, expected "
+            f"the GPT-2 vocabulary {vocab} is altered (sha256 {digest}, expected "
             f"{GPT2_SHA256}); restore it from the gptmini repository"
         )
-    return _encoding("gpt2", load_tiktoken_bpe(str(GPT2_VOCAB)))
+    return _encoding("gpt2", load_tiktoken_bpe(str(vocab)))
 
 
 def _encoding(name: str, ranks: dict[bytes, int], pattern: str = GPT2_PATTERN

@@ -129,10 +129,10 @@ def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
         "--model.learning_rate", "3e-3",
         "--model.peak_flops", "1e10",
         "--model.tokenizer", "gpt2",  # the tests' tiny runs keep GPT-2's ids (no fitting)
-        "--data.source", str(corpus),
-        "--data.batch_size", "4",
-        "--data.cache_dir", str(corpus.parent / "cache"),
-        "--data.val_fraction", "0.1",
+        "--data.corpus.source", str(corpus),
+        "--data.loader.batch_size", "4",
+        "--data.corpus.cache_dir", str(corpus.parent / "cache"),
+        "--data.corpus.val_fraction", "0.1",
         *extra,
     ]
 

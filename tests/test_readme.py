@@ -31,7 +31,7 @@ SKIPPED = {
     "gpt2-finetune-shakespeare": "needs the GPT-2 download",
     "HuggingFaceFW": "needs the network",
     "Rowan/hellaswag": "needs the network",
-    "--data.source": "needs the reader's own corpus",
+    "--data.corpus.source": "needs the reader's own corpus",
     "--ckpt_path last": "resumes the default run (minutes of training)",
     "--trainer.fast_dev_run": "fits and tokenizes the default run's corpus (slow here)",
     "--attention_every": "trains the default run (minutes)",

@@ -34,6 +34,7 @@ from torch import nn
 
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
+from gptmini.data.settings import from_record
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -199,7 +200,7 @@ def text_tokens(path: str, tokenizer: Encoding, hparams: dict, *, text_field: st
             if not saved:
                 raise ValueError("the checkpoint names no corpus (not a train.py checkpoint); "
                                  "pass --data PATH to score a text")
-            data = GPTDataModule(**{**saved, "tokenizer": vocab, "num_workers": 0})
+            data = GPTDataModule(*from_record({**saved, "tokenizer": vocab, "num_workers": 0}))
             data.setup("validate")  # tokenizes (quietly) only if the cache lost the corpus
             if data.val_dataset is None:
                 raise ValueError("the run kept no validation split (val_fraction 0); pass "

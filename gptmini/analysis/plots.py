@@ -21,6 +21,7 @@ import csv
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -186,50 +187,70 @@ def attention_figure(
     heads = list(range(n_heads))
     if head is not None:
         heads = [check_index("head", head, n_heads, "heads per layer")]
-    ncols = math.ceil(math.sqrt(len(heads)))
-    nrows = math.ceil(len(heads) / ncols)
-    if figsize is None:
-        # About a quarter inch per token keeps labels legible; grid panels a little less.
-        if len(heads) == 1:
-            side = min(max(1.2 + 0.25 * num_tokens, 5.0), 12.0)
-        else:
-            side = min(max(1.2 + 0.2 * num_tokens, 3.0), 8.0)
-        # Room beside the panels for token labels and colorbar, below for labels and titles.
-        figsize = (ncols * side + 2.0, nrows * (side + 0.3) + 1.6)
-    fontsize = max(4.0, min(9.0, 160.0 / num_tokens / max(1, ncols - 1) ** 0.5))
-
-    # Past about 64 tokens the labels would overprint each other: label every k-th token.
-    every = math.ceil(num_tokens / 64)
-    ticks = range(0, num_tokens, every)
-    tick_labels = [labels[t] for t in ticks]
-
-    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    grid = _Grid.of(len(heads), labels, figsize)
+    fig = Figure(figsize=grid.figsize, dpi=dpi, layout="constrained")
+    axes = fig.subplots(grid.nrows, grid.ncols, squeeze=False)
     data = weights.detach().float().cpu().numpy()
     image = None
     for i, ax in enumerate(axes.flat):
         if i >= len(heads):
             ax.set_axis_off()
             continue
-        col = i % ncols
         image = ax.imshow(data[heads[i]], cmap="viridis", vmin=0.0, vmax=1.0,
                           interpolation="nearest")
         if len(heads) > 1:  # a single head is named in the figure's title
-            ax.set_title(f"head {heads[i]}", fontsize=fontsize + 2)
-        bottom = i + ncols >= len(heads)  # nothing drawn below this panel
-        ax.set_xticks(ticks, tick_labels if bottom else [], rotation=90, fontsize=fontsize)
-        ax.set_yticks(ticks, tick_labels if col == 0 else [], fontsize=fontsize)
-        ax.tick_params(length=0)
-        if col == 0:
-            ax.set_ylabel("query", fontsize=fontsize + 1)
-        if bottom:
-            ax.set_xlabel("key", fontsize=fontsize + 1)
+            ax.set_title(f"head {heads[i]}", fontsize=grid.fontsize + 2)
+        # Tokens label the left column's rows and the columns of the lowest panels only.
+        grid.label(ax, left=i % grid.ncols == 0, bottom=i + grid.ncols >= len(heads))
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     if title is None:
         which = f"head {heads[0]}" if head is not None else f"all {n_heads} heads"
         title = f"Attention weights, layer {layer}, {which}"
     fig.suptitle(title)
     return fig
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """How a figure of square heatmap panels, one per head, is laid out and labelled."""
+
+    nrows: int
+    ncols: int
+    figsize: tuple[float, float]
+    fontsize: float
+    ticks: range
+    tick_labels: list[str]
+
+    @classmethod
+    def of(cls, panels: int, labels: Sequence[str],
+           figsize: tuple[float, float] | None) -> "_Grid":
+        """The most square grid of `panels`, sized for the token `labels` unless `figsize`."""
+        num_tokens = len(labels)
+        ncols = math.ceil(math.sqrt(panels))
+        nrows = math.ceil(panels / ncols)
+        if figsize is None:
+            # About a quarter inch per token keeps labels legible; grid panels a little less.
+            if panels == 1:
+                side = min(max(1.2 + 0.25 * num_tokens, 5.0), 12.0)
+            else:
+                side = min(max(1.2 + 0.2 * num_tokens, 3.0), 8.0)
+            # Room beside the panels for token labels and colorbar, below for labels, titles.
+            figsize = (ncols * side + 2.0, nrows * (side + 0.3) + 1.6)
+        fontsize = max(4.0, min(9.0, 160.0 / num_tokens / max(1, ncols - 1) ** 0.5))
+        # Past about 64 tokens the labels would overprint each other: label every k-th token.
+        ticks = range(0, num_tokens, math.ceil(num_tokens / 64))
+        return cls(nrows, ncols, figsize, fontsize, ticks, [labels[t] for t in ticks])
+
+    def label(self, ax, *, left: bool, bottom: bool) -> None:
+        """Token labels on a panel's axes: queries down the left, keys along the bottom."""
+        ax.set_xticks(self.ticks, self.tick_labels if bottom else [], rotation=90,
+                      fontsize=self.fontsize)
+        ax.set_yticks(self.ticks, self.tick_labels if left else [], fontsize=self.fontsize)
+        ax.tick_params(length=0)
+        if left:
+            ax.set_ylabel("query", fontsize=self.fontsize + 1)
+        if bottom:
+            ax.set_xlabel("key", fontsize=self.fontsize + 1)
 
 
 def plot_attention(
@@ -354,27 +375,12 @@ def plot_curves(
         )
     fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
     loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
-    if "train/loss" in metrics:
-        loss_ax.plot(*metrics["train/loss"], lw=1.0, alpha=0.8, label="train loss")
-    if "val/loss" in metrics:
-        steps, values = metrics["val/loss"]
-        loss_ax.plot(steps, values, "o-", ms=3.5, lw=1.5, label="val loss")
-        best = min(range(len(values)), key=values.__getitem__)
-        loss_ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
-    loss_ax.set_ylabel("cross-entropy (nats/token)")
-    loss_ax.legend()
-    if "val/bpb" in metrics:  # compares runs whatever their tokenizers
-        bpb_ax.plot(*metrics["val/bpb"], "o-", color="tab:orange", ms=3.5, lw=1.5)
-    else:
-        bpb_ax.text(0.5, 0.5, "no val/bpb logged", ha="center", va="center",
-                    transform=bpb_ax.transAxes)
+    _plot_losses(loss_ax, metrics)
+    # bits per byte compares runs whatever their tokenizers
+    _plot_or_say(bpb_ax, metrics, "val/bpb", "o-", color="tab:orange", ms=3.5, lw=1.5)
     bpb_ax.set_ylabel("val bits per byte")
-    if "train/lr" in metrics:
-        lr_ax.plot(*metrics["train/lr"], color="tab:green", lw=1.2)
+    if _plot_or_say(lr_ax, metrics, "train/lr", color="tab:green", lw=1.2):
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    else:
-        lr_ax.text(0.5, 0.5, "no train/lr logged", ha="center", va="center",
-                   transform=lr_ax.transAxes)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("step")
     for ax in (loss_ax, bpb_ax, lr_ax):
@@ -387,3 +393,26 @@ def plot_curves(
     name = Path(run_dir).resolve()
     fig.suptitle(f"Training curves: {name.parent.name if name.is_file() else name.name}")
     return _save(fig, out)
+
+
+def _plot_losses(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
+    """Train and validation loss, the best validation loss named in the panel's title."""
+    if "train/loss" in metrics:
+        ax.plot(*metrics["train/loss"], lw=1.0, alpha=0.8, label="train loss")
+    if "val/loss" in metrics:
+        steps, values = metrics["val/loss"]
+        ax.plot(steps, values, "o-", ms=3.5, lw=1.5, label="val loss")
+        best = min(range(len(values)), key=values.__getitem__)
+        ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+
+
+def _plot_or_say(ax, metrics: dict[str, tuple[list[int], list[float]]], name: str, *style,
+                 **line) -> bool:
+    """Plot metric `name` on `ax`, or say in the panel that it was not logged; whether it was."""
+    if name in metrics:
+        ax.plot(*metrics[name], *style, **line)
+        return True
+    ax.text(0.5, 0.5, f"no {name} logged", ha="center", va="center", transform=ax.transAxes)
+    return False

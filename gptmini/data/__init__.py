@@ -13,12 +13,16 @@ The path of a corpus, stage by stage:
    of that file, so building one costs no memory and no time whatever the corpus size.
 5. `ResumableSampler` and `GPTDataModule`: shuffled by (seed, epoch), one share per DDP
    rank, and able to resume mid-epoch on exactly the windows not yet seen.
+
+The module's settings come in three parts (`settings.py`): the `Corpus` (stages 1-3), the
+`Windows` (stage 4) and the `Loader` (stage 5).
 """
 
 
 from gptmini.data.corpus import EMBEDDED_CORPUS, CorpusSpec, default_cache_dir, resolve_source
 from gptmini.data.documents import load_documents
 from gptmini.data.module import GPTDataModule
+from gptmini.data.settings import Corpus, Loader, Windows
 from gptmini.data.tokens import TokenCache, tokenize_corpus
 from gptmini.data.vocab import fit_tokenizer
 from gptmini.data.windows import (
@@ -30,11 +34,14 @@ from gptmini.data.windows import (
 
 __all__ = [
     "EMBEDDED_CORPUS",
+    "Corpus",
     "CorpusSpec",
     "GPTDataModule",
+    "Loader",
     "ResumableSampler",
     "SlidingWindowDataset",
     "TokenCache",
+    "Windows",
     "create_dataloader",
     "default_cache_dir",
     "fit_tokenizer",

@@ -103,13 +103,7 @@ def resolve_source(
         FileNotFoundError: the path or glob matches nothing; a directory holds no corpus file.
         ValueError: `encoding_errors` is not a Python error handler.
     """
-    try:
-        codecs.lookup_error(encoding_errors)
-    except LookupError as err:
-        raise ValueError(
-            f"encoding_errors={encoding_errors!r} is not a Python codec error handler; "
-            "use 'strict' (fail on bytes that are not UTF-8), 'replace' or 'ignore'"
-        ) from err
+    check_error_handler(encoding_errors)
     options = dict(text_field=text_field, streaming=streaming, encoding_errors=encoding_errors,
                    skip_missing_text=skip_missing_text)
     if source is None:
@@ -123,16 +117,7 @@ def resolve_source(
     if path.is_dir():
         return CorpusSpec(_slug(path.name), _corpus_files_in(path), description=text, **options)
     if glob.has_magic(text):
-        found = sorted(Path(p).resolve() for p in glob.glob(str(path), recursive=True))
-        files = tuple(p for p in found if p.is_file())
-        if not files:
-            raise FileNotFoundError(
-                f"corpus glob {text!r} matches no files. Check the pattern (quote it so the "
-                "shell does not expand it) or pass a file or directory instead"
-            )
-        for f in files:
-            reader_of(f)
-        return CorpusSpec(_slug(text), files, description=text, **options)
+        return CorpusSpec(_slug(text), _files_matching(text), description=text, **options)
     if _HUB_NAME.match(text) and not _has_corpus_suffix(path):
         return CorpusSpec(
             _slug(text),
@@ -145,9 +130,35 @@ def resolve_source(
         )
     raise FileNotFoundError(
         f"corpus path {text!r} does not exist. Pass an existing file, directory or glob "
-        "(for example --data.source 'data/*.txt'), or leave source unset to train on the "
+        "(for example --data.corpus.source 'data/*.txt'), or leave source unset to train on the "
         "embedded Shakespeare corpus"
     )
+
+
+def check_error_handler(encoding_errors: str) -> None:
+    """Raise ValueError unless `encoding_errors` names a Python codec error handler."""
+    try:
+        codecs.lookup_error(encoding_errors)
+    except LookupError as err:
+        raise ValueError(
+            f"encoding_errors={encoding_errors!r} is not a Python codec error handler; "
+            "use 'strict' (fail on bytes that are not UTF-8), 'replace' or 'ignore'"
+        ) from err
+
+
+def _files_matching(pattern: str) -> tuple[Path, ...]:
+    """The files a glob matches (`**` recursive), sorted; each must be a corpus format."""
+    found = sorted(Path(p).resolve()
+                   for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
+    files = tuple(p for p in found if p.is_file())
+    if not files:
+        raise FileNotFoundError(
+            f"corpus glob {pattern!r} matches no files. Check the pattern (quote it so the "
+            "shell does not expand it) or pass a file or directory instead"
+        )
+    for f in files:
+        reader_of(f)
+    return files
 
 
 def _format_of(path: Path) -> str | None:
@@ -221,7 +232,7 @@ def pin_revision(spec: CorpusSpec) -> CorpusSpec:
     The token cache is keyed on the commit, so a new upstream revision is tokenized again
     instead of served from a stale cache, and the documents are read at that commit. Online
     the hub says which commit a branch or tag is at; offline, `datasets` answers from the
-    copy it cached. A full commit hash (--data.hub_revision) needs no lookup.
+    copy it cached. A full commit hash (--data.corpus.hub_revision) needs no lookup.
 
     Raises:
         ConnectionError: offline, with no cached copy of the dataset to name a commit.
@@ -239,7 +250,8 @@ def pin_revision(spec: CorpusSpec) -> CorpusSpec:
             f"no file or directory {spec.hub_name!r} here, so it was taken for a Hugging Face "
             f"hub dataset; but the hub could not say which revision to read ({err}), and "
             f"datasets has no cached copy. {_did_you_mean(spec.hub_name)}For a hub dataset, "
-            "connect once or pin a commit with --data.hub_revision; offline, train on local "
-            "files (--data.source corpus.txt, a directory, or a glob like 'data/*.jsonl')"
+            "connect once or pin a commit with --data.corpus.hub_revision; offline, train on "
+            "local files (--data.corpus.source corpus.txt, a directory, or a glob like "
+            "'data/*.jsonl')"
         ) from err
     return replace(spec, hub_revision=builder.hash)

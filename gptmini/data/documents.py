@@ -40,25 +40,7 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
     import datasets
 
     if spec.hub_name is not None:
-        try:
-            docs = datasets.load_dataset(
-                spec.hub_name,
-                spec.hub_config,
-                split=spec.hub_split,
-                revision=spec.hub_revision,
-                streaming=spec.streaming,
-            )
-        except ConnectionError as err:
-            raise ConnectionError(
-                f"cannot reach the Hugging Face hub for dataset {spec.hub_name!r} ({err}). "
-                f"No local path named {spec.hub_name!r} exists either. Offline, train on local "
-                "files: --data.source corpus.txt, a directory, or a glob like 'data/*.jsonl' "
-                "(with --data.text_field for json/parquet); or download the dataset once while "
-                "online so datasets' cache has it"
-            ) from err
-        docs = _select_text(docs, spec.text_field, spec.description)
-        return _check_missing_text(docs, spec, spec.description)
-
+        return _hub_documents(spec)
     hf_cache = str(Path(cache_dir or default_cache_dir()) / "hf")
     groups: dict[str, list[str]] = {}
     for f in spec.files:
@@ -66,44 +48,75 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
     parts = []
     with explain_read_errors(spec):
         for builder, files in groups.items():
-            kwargs: dict[str, Any] = {}
-            errors = None if spec.encoding_errors == "strict" else spec.encoding_errors
-            if builder == "text":
-                kwargs = {"sample_by": "document", "encoding_errors": errors}
-            elif builder == "json" and errors is not None:
-                # The json builder only decodes (and so only applies encoding_errors) when the
-                # encoding is not spelled exactly "utf-8"; "UTF-8" is the same codec.
-                kwargs = {"encoding": "UTF-8", "encoding_errors": errors}
-            compressed = any(Path(f).suffix.lower() in COMPRESSION_SUFFIXES for f in files)
-            if builder == "text" and errors is not None and compressed:
-                # datasets opens compressed files through fsspec, which drops encoding_errors.
-                docs = _decoded_text_files(files, errors, spec, hf_cache)
-            else:
-                def load(data_files, builder=builder, kwargs=kwargs):
-                    return datasets.load_dataset(
-                        builder,
-                        data_files=data_files,
-                        split="train",
-                        streaming=spec.streaming,
-                        cache_dir=None if spec.streaming else hf_cache,
-                        **kwargs,
-                    )
-
-                try:
-                    docs = load(files)
-                except Exception as err:
-                    if builder != "json" or len(files) == 1 or not _schema_differs(err):
-                        raise
-                    # datasets reads every json file with the first one's fields; files whose
-                    # fields differ are read one at a time, keeping only the text field.
-                    docs = datasets.concatenate_datasets(
-                        [_select_text(load([f]), spec.text_field, f, rename=False)
-                         for f in files]
-                    )
+            docs = _read_files(builder, files, spec, hf_cache)
             where = files[0] if len(files) == 1 else f"{spec.description} ({builder} files)"
             docs = _select_text(docs, "text" if builder == "text" else spec.text_field, where)
             parts.append(_check_missing_text(docs, spec, where, files))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _hub_documents(spec: CorpusSpec):
+    """A hub dataset's split as documents (datasets' own cache: offline once downloaded)."""
+    import datasets
+
+    try:
+        docs = datasets.load_dataset(
+            spec.hub_name,
+            spec.hub_config,
+            split=spec.hub_split,
+            revision=spec.hub_revision,
+            streaming=spec.streaming,
+        )
+    except ConnectionError as err:
+        raise ConnectionError(
+            f"cannot reach the Hugging Face hub for dataset {spec.hub_name!r} ({err}). "
+            f"No local path named {spec.hub_name!r} exists either. Offline, train on local "
+            "files: --data.corpus.source corpus.txt, a directory, or a glob like "
+            "'data/*.jsonl' (with --data.corpus.text_field for json/parquet); or download "
+            "the dataset once while online so datasets' cache has it"
+        ) from err
+    docs = _select_text(docs, spec.text_field, spec.description)
+    return _check_missing_text(docs, spec, spec.description)
+
+
+def _read_files(builder: str, files: list[str], spec: CorpusSpec, hf_cache: str):
+    """Local files of one format as a dataset, read by datasets' `builder` ("text", "json"
+    or "parquet") with the encoding errors `spec` asks for; all their columns."""
+    import datasets
+
+    kwargs: dict[str, Any] = {}
+    errors = None if spec.encoding_errors == "strict" else spec.encoding_errors
+    if builder == "text":
+        kwargs = {"sample_by": "document", "encoding_errors": errors}
+    elif builder == "json" and errors is not None:
+        # The json builder only decodes (and so only applies encoding_errors) when the
+        # encoding is not spelled exactly "utf-8"; "UTF-8" is the same codec.
+        kwargs = {"encoding": "UTF-8", "encoding_errors": errors}
+    compressed = any(Path(f).suffix.lower() in COMPRESSION_SUFFIXES for f in files)
+    if builder == "text" and errors is not None and compressed:
+        # datasets opens compressed files through fsspec, which drops encoding_errors.
+        return _decoded_text_files(files, errors, spec, hf_cache)
+
+    def load(data_files: list[str]):
+        return datasets.load_dataset(
+            builder,
+            data_files=data_files,
+            split="train",
+            streaming=spec.streaming,
+            cache_dir=None if spec.streaming else hf_cache,
+            **kwargs,
+        )
+
+    try:
+        return load(files)
+    except Exception as err:
+        if builder != "json" or len(files) == 1 or not _schema_differs(err):
+            raise
+        # datasets reads every json file with the first one's fields; files whose fields
+        # differ are read one at a time, keeping only the text field.
+        return datasets.concatenate_datasets(
+            [_select_text(load([f]), spec.text_field, f, rename=False) for f in files]
+        )
 
 
 def _decoded_text_files(files: list[str], errors: str, spec: CorpusSpec, cache_dir: str):
@@ -135,7 +148,7 @@ def _select_text(docs, text_field: str, where: str, rename: bool = True):
         hint = columns[0] if columns else "NAME"
         raise ValueError(
             f"{where} has no field {text_field!r}; its fields are {columns}. Pass the one "
-            f"holding the text as text_field (--data.text_field {hint})"
+            f"holding the text as text_field (--data.corpus.text_field {hint})"
         )
     features = docs.features
     if features is not None and text_field in features:
@@ -174,8 +187,8 @@ def missing_text(
     if not spec.skip_missing_text:
         raise ValueError(
             f"{missing} of {total} records in {where} have no {spec.text_field!r} field (the "
-            f"first is {place}). Fix them, or pass --data.skip_missing_text true to train on "
-            "the others"
+            f"first is {place}). Fix them, or pass --data.corpus.skip_missing_text true to "
+            "train on the others"
         )
     _log.info(f"skipping {missing} of {total} records in {where} that have no "
               f"{spec.text_field!r} field (the first is {place})")
@@ -293,7 +306,7 @@ def _not_utf8(spec: CorpusSpec, cause: UnicodeDecodeError) -> ValueError:
     )
     return ValueError(
         f"{where}. Convert it to UTF-8 (for Latin-1 text: iconv -f latin1 -t utf-8), or "
-        "pass encoding_errors='replace' (--data.encoding_errors replace) to read bad bytes "
+        "pass encoding_errors='replace' (--data.corpus.encoding_errors replace) to read bad bytes "
         "as U+FFFD, or 'ignore' to drop them"
     )
 

@@ -6,6 +6,8 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,14 +80,15 @@ def _encode_documents(
     # which leaves the token exactly *between* documents.
     out = []
     for text, doc in zip(texts, encoded, strict=True):
-        ids = np.asarray(doc, dtype=dtype) if len(text) <= LONG_DOCUMENT else _encode_long(
-            enc, text, dtype)
+        long = len(text) > LONG_DOCUMENT
+        ids = encode_in_pieces(enc, text, dtype) if long else np.asarray(doc, dtype=dtype)
         out.append(np.append(ids, np.asarray([enc.eot_token], dtype=dtype)) if len(ids) else ids)
     return out
 
 
-def _encode_long(enc: Encoding, text: str, dtype: str, piece: int = LONG_DOCUMENT) -> np.ndarray:
-    """`enc.encode_ordinary(text)` as an array, a piece at a time.
+def encode_in_pieces(enc: Encoding, text: str, dtype: str = "uint32",
+                     piece: int = LONG_DOCUMENT) -> np.ndarray:
+    """`enc.encode_ordinary(text)` as an array of `dtype`, shape (n,), a piece at a time.
 
     A 50 MB document as one list of Python ints takes about 430 MB; in pieces of about
     `LONG_DOCUMENT` characters, cut where the split pattern cuts anyway, it takes the
@@ -180,65 +183,34 @@ def tokenize_corpus(
             )
         return cache
 
-    dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
     if not quiet:
         _log.info(f"tokenizing {spec.description} with {tokenizer} (num_proc={num_proc})")
-    tmp = root / "tokens" / f".tmp-{final.name}-{os.getpid()}"
+    with _written_atomically(final) as tmp:
+        counts, n_docs, split_by = _write_splits(spec, tmp, root, tokenizer, val_fraction,
+                                                 num_proc)
+        meta = {**key_doc, "source": spec.description, "tokenizer_name": tokenizer,
+                "dtype": token_dtype(enc).name, "eot_token": enc.eot_token,
+                "documents": n_docs, "val_split_by": split_by, "tokens": counts}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    if not quiet:
+        _log.info(f"wrote {counts['train']:,} train / {counts['val']:,} val tokens to {final}")
+    return cache
+
+
+def token_dtype(enc: Encoding) -> np.dtype:
+    """The dtype a token file of `enc` holds: uint16 when its ids fit, else uint32."""
+    return np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
+
+
+@contextmanager
+def _written_atomically(final: Path) -> Iterator[Path]:
+    """A fresh temporary folder beside `final`, renamed to `final` when the block ends
+    without error, and removed in any case: an interrupted run leaves nothing half-written."""
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        docs = load_documents(spec, root)
-        counts = {"train": 0, "val": 0}
-        with (
-            open(tmp / "train.bin", "wb") as train_f,
-            open(tmp / "val.bin", "wb") as val_f,
-            explain_read_errors(spec),
-        ):
-            args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
-            if spec.streaming:
-                n_docs = _tokenize_stream(docs, spec, args, num_proc, train_f, val_f)
-            else:
-                n_docs = len(docs)
-                encoded = docs.map(
-                    _encode_batch,
-                    batched=True,
-                    with_indices=True,
-                    remove_columns=["text"],
-                    fn_kwargs=args,
-                    num_proc=min(num_proc, n_docs) if num_proc > 1 and n_docs > 1 else None,
-                    cache_file_name=str(tmp / "encoded.arrow"),
-                    desc="tokenizing",
-                )
-                for table in encoded.with_format("arrow").iter(batch_size=1024):
-                    ids = table.column("ids").combine_chunks()
-                    lengths = np.diff(ids.offsets.to_numpy())
-                    flat = ids.flatten().to_numpy().astype(dtype, copy=False)
-                    _write_docs(flat, lengths, table.column("val").to_numpy(), train_f, val_f)
-                del encoded
-        for split in counts:
-            counts[split] = _drop_trailing_eot(tmp / f"{split}.bin", dtype, enc.eot_token)
-        if counts["train"] + counts["val"] == 0:
-            raise ValueError(
-                f"corpus {spec.description} is empty: {n_docs} documents, 0 tokens. Point "
-                "source at files that hold text (for json/parquet, check text_field)"
-            )
-        split_by = "documents" if counts["val"] else "none"
-        if val_fraction > 0 and counts["val"] == 0:
-            counts = _split_tail(tmp, dtype, val_fraction, counts["train"])
-            split_by = "tokens"
-        for leftover in tmp.glob("encoded*.arrow"):
-            leftover.unlink()
-        meta = {
-            **key_doc,
-            "source": spec.description,
-            "tokenizer_name": tokenizer,
-            "dtype": dtype.name,
-            "eot_token": enc.eot_token,
-            "documents": n_docs,
-            "val_split_by": split_by,
-            "tokens": counts,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        yield tmp
         try:
             tmp.rename(final)
         except OSError:  # another process finished the same cache first: keep theirs
@@ -246,9 +218,66 @@ def tokenize_corpus(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not quiet:
-        _log.info(f"wrote {counts['train']:,} train / {counts['val']:,} val tokens to {final}")
-    return cache
+
+
+def _write_splits(spec: CorpusSpec, directory: Path, cache_root: Path, tokenizer: str,
+                  val_fraction: float, num_proc: int) -> tuple[dict[str, int], int, str]:
+    """Encode every document of `spec` into `directory`'s train.bin and val.bin, with
+    <|endoftext|> between documents; (tokens per split, documents, how val was split off).
+
+    Raises:
+        ValueError: the corpus holds no text.
+    """
+    enc = get_tokenizer(tokenizer)
+    dtype = token_dtype(enc)
+    docs = load_documents(spec, cache_root)
+    with (
+        open(directory / "train.bin", "wb") as train_f,
+        open(directory / "val.bin", "wb") as val_f,
+        explain_read_errors(spec),
+    ):
+        args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
+        if spec.streaming:
+            n_docs = _tokenize_stream(docs, spec, args, num_proc, train_f, val_f)
+        else:
+            n_docs = _tokenize_dataset(docs, args, num_proc, directory, train_f, val_f)
+    counts = {split: _drop_trailing_eot(directory / f"{split}.bin", dtype, enc.eot_token)
+              for split in ("train", "val")}
+    if counts["train"] + counts["val"] == 0:
+        raise ValueError(
+            f"corpus {spec.description} is empty: {n_docs} documents, 0 tokens. Point "
+            "source at files that hold text (for json/parquet, check text_field)"
+        )
+    if val_fraction > 0 and counts["val"] == 0:
+        return _split_tail(directory, dtype, val_fraction, counts["train"]), n_docs, "tokens"
+    return counts, n_docs, "documents" if counts["val"] else "none"
+
+
+def _tokenize_dataset(docs, args: dict, num_proc: int, directory: Path, train_f,
+                      val_f) -> int:
+    """Encode a `datasets.Dataset` in `num_proc` processes (`datasets.map`, whose Arrow
+    output goes to `directory` and is deleted after); the number of documents."""
+    n_docs = len(docs)
+    encoded = docs.map(
+        _encode_batch,
+        batched=True,
+        with_indices=True,
+        remove_columns=["text"],
+        fn_kwargs=args,
+        num_proc=min(num_proc, n_docs) if num_proc > 1 and n_docs > 1 else None,
+        cache_file_name=str(directory / "encoded.arrow"),
+        desc="tokenizing",
+    )
+    dtype = np.dtype(args["dtype"])
+    for table in encoded.with_format("arrow").iter(batch_size=1024):
+        ids = table.column("ids").combine_chunks()
+        lengths = np.diff(ids.offsets.to_numpy())
+        flat = ids.flatten().to_numpy().astype(dtype, copy=False)
+        _write_docs(flat, lengths, table.column("val").to_numpy(), train_f, val_f)
+    del encoded
+    for leftover in directory.glob("encoded*.arrow"):
+        leftover.unlink()
+    return n_docs
 
 
 def _tokenize_stream(docs, spec: CorpusSpec, args: dict, num_threads: int, train_f,

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
-from gptmini.data import GPTDataModule
+from gptmini.data import Corpus, GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.runtime import AUTO, auto_precision
 from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
@@ -95,8 +95,8 @@ class GPTCLI(LightningCLI):
                             help="On SIGTERM or Ctrl-C, seconds allowed to finish the optimizer "
                                  "step in progress before falling back to the last one.")
         # One window length for model and data, one tokenizer for both.
-        parser.link_arguments("model.context_length", "data.max_length")
-        parser.link_arguments("model.tokenizer", "data.tokenizer")
+        parser.link_arguments("model.context_length", "data.windows.max_length")
+        parser.link_arguments("model.tokenizer", "data.corpus.tokenizer")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         cfg = self.config
@@ -169,7 +169,7 @@ class GPTCLI(LightningCLI):
             saved = tokenizer_entry(checkpoint)
             if "tokens" not in saved:
                 say_overridden_tokenizer(model.tokenizer, saved["name"], None, checkpoint)
-                model.tokenizer = data.tokenizer = saved["name"]
+                model.tokenizer = data.corpus.tokenizer = saved["name"]
                 return
             enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
             say_overridden_tokenizer(model.tokenizer, enc.name, enc.n_vocab, checkpoint)
@@ -177,10 +177,10 @@ class GPTCLI(LightningCLI):
             vocab_size = parse_bpe(model.tokenizer)
             if vocab_size is None:
                 return
-            enc = load_tokenizer(GPTDataModule(**data.as_dict()).fit_tokenizer(vocab_size))
+            enc = load_tokenizer(Corpus(**data.corpus.as_dict()).fit_tokenizer(vocab_size))
         target = run_dir(self) / "tokenizer.json"
         save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
-        model.tokenizer = data.tokenizer = str(target)
+        model.tokenizer = data.corpus.tokenizer = str(target)
 
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)

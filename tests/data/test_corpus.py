@@ -13,6 +13,7 @@ from helpers import ENC, EOT, joined, tokens_of, words
 
 from gptmini.data import (
     EMBEDDED_CORPUS,
+    Corpus,
     GPTDataModule,
     load_documents,
     resolve_source,
@@ -82,7 +83,7 @@ def test_missing_path_is_named_with_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no corpus files"):
         resolve_source(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        GPTDataModule(source=str(tmp_path / "gone.jsonl"), cache_dir=str(tmp_path)).prepare_data()
+        GPTDataModule(Corpus(str(tmp_path / "gone.jsonl"), cache_dir=str(tmp_path))).prepare_data()
 
 
 @pytest.mark.parametrize("name", ["latin1.txt", "latin1.txt.gz", "latin1.jsonl"])

@@ -9,20 +9,18 @@ import torch
 from helpers import ENC, words
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from gptmini.data import (
-    GPTDataModule,
-)
+from gptmini.data import Corpus, GPTDataModule, Loader, Windows
+from gptmini.data.settings import from_record
 
 
 def test_a_separate_validation_source(tmp_path):
     (tmp_path / "train.txt").write_text(words(300, 0))
     (tmp_path / "val.txt").write_text(words(80, 1))
     dm = GPTDataModule(
-        str(tmp_path / "train.txt"),
-        val_source=str(tmp_path / "val.txt"),
-        max_length=8,
-        batch_size=2,
-        cache_dir=str(tmp_path / "c"),
+        Corpus(str(tmp_path / "train.txt"), val_source=str(tmp_path / "val.txt"),
+               cache_dir=str(tmp_path / "c")),
+        Windows(max_length=8),
+        Loader(batch_size=2),
     )
     dm.prepare_data()
     dm.setup("fit")
@@ -35,7 +33,8 @@ def test_a_separate_validation_source(tmp_path):
 
 
 def test_default_datamodule_trains_on_the_embedded_corpus(tmp_path):
-    dm = GPTDataModule(max_length=64, batch_size=4, cache_dir=str(tmp_path))
+    dm = GPTDataModule(Corpus(cache_dir=str(tmp_path)), Windows(max_length=64),
+                       Loader(batch_size=4))
     dm.prepare_data()
     dm.setup("fit")
     n = len(dm.train_dataset.tokens)
@@ -55,11 +54,36 @@ def test_too_short_corpus_says_how_many_tokens_it_has_and_needs(tmp_path):
     (tmp_path / "short.txt").write_text(text)
     n = len(ENC.encode_ordinary(text))
     dm = GPTDataModule(
-        str(tmp_path / "short.txt"), val_fraction=0, max_length=64, cache_dir=str(tmp_path)
+        Corpus(str(tmp_path / "short.txt"), val_fraction=0, cache_dir=str(tmp_path)),
+        Windows(max_length=64),
     )
     dm.prepare_data()
     with pytest.raises(ValueError, match=rf"has {n} tokens; max_length=64 needs at least 65"):
         dm.setup("fit")
+
+
+# datamodule_hyper_parameters of a checkpoint train.py wrote before the settings were grouped
+OLD_RECORD = {
+    "source": "/tmp/oldck/corpus.txt", "val_source": None, "val_fraction": 0.1,
+    "text_field": "text", "hub_config": None, "hub_split": "train", "streaming": False,
+    "stride": 4, "batch_size": 4, "num_workers": 0, "seed": 1234, "cache_dir": "/tmp/c",
+    "num_proc": 1, "encoding_errors": "strict", "val_stride": None, "hub_val_split": None,
+    "hub_revision": None, "skip_missing_text": False, "document_mask": False,
+    "max_length": 16, "tokenizer": "gpt2",
+    "_instantiator": "lightning.pytorch.cli.instantiate_module",
+}
+
+
+def test_the_checkpoints_record_is_flat_as_before_the_settings_were_grouped():
+    dm = GPTDataModule(
+        Corpus("/tmp/oldck/corpus.txt", val_fraction=0.1, cache_dir="/tmp/c"),
+        Windows(max_length=16, stride=4),
+        Loader(batch_size=4),
+    )
+    assert dict(dm.hparams) == {k: v for k, v in OLD_RECORD.items() if k != "_instantiator"}
+    assert from_record(OLD_RECORD) == (dm.corpus, dm.windows, dm.loader)
+    with pytest.raises(ValueError, match="data setting 'batch' is unknown"):
+        from_record({"batch": 4})
 
 
 class FakeTrainer:
@@ -70,12 +94,15 @@ class FakeTrainer:
         self.limit_train_batches = 1.0
 
 
-def small_datamodule(tmp_path, **kwargs) -> GPTDataModule:
+def small_datamodule(tmp_path, val_source=None, **loader) -> GPTDataModule:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text(words(400, 0))
-    args = dict(val_fraction=0.0, max_length=8, batch_size=3, cache_dir=str(tmp_path / "c"))
-    dm = GPTDataModule(str(corpus), **{**args, **kwargs})
+    dm = GPTDataModule(
+        Corpus(str(corpus), val_source=val_source, val_fraction=0.0, cache_dir=str(tmp_path / "c")),
+        Windows(max_length=8),
+        Loader(**{"batch_size": 3, **loader}),
+    )
     dm.prepare_data()
     return dm
 

@@ -19,6 +19,7 @@ from gptmini.data import (
     resolve_source,
     tokenize_corpus,
 )
+from gptmini.data.tokens import encode_in_pieces
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -125,7 +126,7 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(tmp_path, mo
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (offline)")
 
     monkeypatch.setattr(datasets, "load_dataset_builder", offline)
-    with pytest.raises(ConnectionError, match="which revision .* --data.hub_revision"):
+    with pytest.raises(ConnectionError, match="which revision .* --data.corpus.hub_revision"):
         tokenize(hub_revision="main")
 
 
@@ -138,7 +139,7 @@ def test_empty_corpus(tmp_path):
 @settings(max_examples=80, deadline=None)
 @given(text=st.text(alphabet=st.sampled_from(list("ab1 ,'\n\té")), max_size=80))
 def test_long_documents_encode_in_pieces_to_exactly_the_ids_of_the_whole(text):
-    pieces = tokens_module._encode_long(ENC, text, "uint32", piece=5)  # cut every few chars
+    pieces = encode_in_pieces(ENC, text, "uint32", piece=5)  # cut every few chars
     assert pieces.tolist() == ENC.encode_ordinary(text)
 
 

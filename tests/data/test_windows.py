@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import gptmini.data as data
 from gptmini.data import (
-    GPTDataModule,
     ResumableSampler,
     SlidingWindowDataset,
+    Windows,
     create_dataloader,
 )
 
@@ -85,14 +85,14 @@ def test_create_dataloader_gives_the_books_batches():
 
 
 @pytest.mark.parametrize("name", ["max_length", "stride"])
-def test_max_length_and_stride_below_one_are_refused(name, tmp_path):
+def test_max_length_and_stride_below_one_are_refused(name):
     args = {"max_length": 4, "stride": 2, name: 0}
     with pytest.raises(ValueError, match=f"{name}=0"):
         SlidingWindowDataset(np.arange(10), **args)
     with pytest.raises(ValueError, match=f"{name}=0"):
         create_dataloader(words(50, 0), **args)
     with pytest.raises(ValueError, match=f"{name}=-1"):
-        GPTDataModule(cache_dir=str(tmp_path), **{**args, name: -1})
+        Windows(**{**args, name: -1})
 
 
 def test_create_dataloader_says_how_many_tokens_it_has_and_needs():

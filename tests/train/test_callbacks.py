@@ -191,7 +191,7 @@ def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path
 
     args = tiny_args(tmp_path, corpus, "--trainer.enable_progress_bar", "true",
                      "--trainer.max_steps", "20", "--trainer.log_every_n_steps", "5",
-                     "--data.batch_size", "16")  # about 2 epochs of the corpus
+                     "--data.loader.batch_size", "16")  # about 2 epochs of the corpus
     assert main(args) == 0
     first = capsys.readouterr().out.replace("\r", "\n")
     assert main([*args, "--trainer.max_steps", "30", "--ckpt_path", "last"]) == 0

@@ -105,7 +105,7 @@ BOOK_DEFAULT = {  # the default run before the speedrun (gptmini/configs/shakesp
               "qk_norm": False, "bias": True, "optimizer": "adamw"},
     "trainer": {"max_steps": 2400, "val_check_interval": 200, "limit_val_batches": 20,
                 "gradient_clip_val": 1.0},
-    "data": {"batch_size": 8, "val_fraction": 0.05, "source": None},
+    "data": {"loader.batch_size": 8, "corpus.val_fraction": 0.05, "corpus.source": None},
 }
 
 
@@ -117,4 +117,7 @@ def test_book_gpt2_yaml_is_the_default_run_of_before(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     for section, fields in BOOK_DEFAULT.items():
         for field, value in fields.items():
-            assert printed[section][field] == value, f"{section}.{field}"
+            found = printed[section]
+            for key in field.split("."):  # data's settings are grouped: data.loader.batch_size
+                found = found[key]
+            assert found == value, f"{section}.{field}"

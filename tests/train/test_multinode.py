@@ -51,7 +51,7 @@ def test_two_nodes_train_stop_together_on_sigterm_to_one_and_resume_exactly(tmp_
     base = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.num_nodes", "2",
                      "--trainer.devices", "1", "--trainer.strategy", "ddp",
                      "--model.drop_rate", "0.1", "--checkpoint_every", "100",
-                     "--data.stride", "4")
+                     "--data.windows.stride", "4")
 
     def launch(*extra, signal_node: str = "") -> list[subprocess.CompletedProcess]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",

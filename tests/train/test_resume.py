@@ -14,7 +14,7 @@ import torch
 from helpers import read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
-from gptmini.data import GPTDataModule
+from gptmini.data import Corpus, GPTDataModule, Loader, Windows
 from gptmini.train.callbacks import RunInterrupted
 from gptmini.train.command import build_cli, fit, main
 from gptmini.train.optim import lr_factor
@@ -54,8 +54,8 @@ def test_resume_continues_exactly(tmp_path):
     epoch boundary of the data (checked: between 12 and 24 batches per epoch).
     """
     corpus = write_corpus(tmp_path / "corpus.txt", repeats=4)
-    module = GPTDataModule(source=str(corpus), max_length=16, batch_size=4, val_fraction=0.1,
-                           cache_dir=str(tmp_path / "cache"))
+    module = GPTDataModule(Corpus(str(corpus), val_fraction=0.1, cache_dir=str(tmp_path / "cache")),
+                           Windows(max_length=16), Loader(batch_size=4))
     module.prepare_data()
     module.setup("fit")
     assert 12 < len(module.train_dataloader()) < 24
@@ -118,7 +118,7 @@ def build(tmp_path, corpus, name, *extra, resume=False, callbacks=()):
 
 
 SCENARIOS = {
-    "workers": ["--data.num_workers", "2", "--trainer.max_steps", "16"],
+    "workers": ["--data.loader.num_workers", "2", "--trainer.max_steps", "16"],
     "accumulation": ["--trainer.accumulate_grad_batches", "2", "--trainer.max_steps", "10"],
     "muon, accumulation": ["--model.optimizer", "muon", "--trainer.accumulate_grad_batches",
                            "2", "--trainer.max_steps", "10"],
@@ -295,7 +295,7 @@ def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path, optimizer):
     script.write_text(DDP_RUN)
     base = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.devices", "2",
                      "--trainer.strategy", "ddp", "--model.drop_rate", "0.1",
-                     "--checkpoint_every", "100", "--data.stride", "4",
+                     "--checkpoint_every", "100", "--data.windows.stride", "4",
                      "--model.optimizer", optimizer)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29541"}
 

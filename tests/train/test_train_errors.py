@@ -32,30 +32,31 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
 # the one line must say).
 TRAIN_ROWS = {
     "typo'd local path": (
-        {"small.txt": "text " * 500}, ["--data.source", "smal"],
+        {"small.txt": "text " * 500}, ["--data.corpus.source", "smal"],
         ["no file or directory 'smal' here", "hub dataset", "Did you mean the local 'small.txt'"],
     ),
     "hub name offline": (
-        {}, ["--data.source", "someone/corpus"],
-        ["taken for a Hugging Face hub dataset", "--data.hub_revision", "offline"],
+        {}, ["--data.corpus.source", "someone/corpus"],
+        ["taken for a Hugging Face hub dataset", "--data.corpus.hub_revision", "offline"],
     ),
     "truncated jsonl line": (
         {"d.jsonl": '{"text": "one two three"}\n' * 40 + '{"text": "cut off mi'},
-        ["--data.source", "{tmp}/d.jsonl"],
+        ["--data.corpus.source", "{tmp}/d.jsonl"],
         ["d.jsonl line 41 is not valid JSON", "fix or remove that line"],
     ),
     "a .gz that is not gzip": (
-        {"plain.txt.gz": "not compressed at all " * 100}, ["--data.source", "{tmp}/plain.txt.gz"],
+        {"plain.txt.gz": "not compressed at all " * 100},
+        ["--data.corpus.source", "{tmp}/plain.txt.gz"],
         ["plain.txt.gz is not a valid .gz file", "rename it without .gz"],
     ),
     "UTF-16 text": (
         {"wide.txt": ("\ufeff" + "text in UTF-16 " * 100).encode("utf-16-le")},
-        ["--data.source", "{tmp}/wide.txt"],
+        ["--data.corpus.source", "{tmp}/wide.txt"],
         ["wide.txt is UTF-16LE (little-endian), not UTF-8", "iconv -f UTF-16LE -t UTF-8"],
     ),
     "UTF-32 text": (
         {"wider.txt": ("text in UTF-32 " * 100).encode("utf-32")},
-        ["--data.source", "{tmp}/wider.txt"],
+        ["--data.corpus.source", "{tmp}/wider.txt"],
         ["wider.txt is UTF-32LE (little-endian), not UTF-8"],
     ),
     "negative checkpoint_every": (

@@ -13,7 +13,7 @@ from helpers import column, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 import gptmini
-from gptmini.data import GPTDataModule
+from gptmini.data import Corpus, GPTDataModule, Loader, Windows
 from gptmini.model import GPTConfig
 from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit, main
 from gptmini.train.module import GPTLitModule
@@ -176,8 +176,8 @@ def test_two_process_ddp_trains_each_rank_on_different_windows_with_document_mas
     script = tmp_path / "ddp_run.py"
     script.write_text(textwrap.dedent(DDP_SCRIPT))
     args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--trainer.devices", "2",
-                     "--trainer.strategy", "ddp", "--data.stride", "4",
-                     "--data.document_mask", "true", "--data.val_fraction", "0.1")
+                     "--trainer.strategy", "ddp", "--data.windows.stride", "4",
+                     "--data.windows.document_mask", "true", "--data.corpus.val_fraction", "0.1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path,
                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -199,15 +199,19 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     import yaml
 
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert "max_length" not in printed["data"]  # linked: it follows model.context_length
+    data = printed["data"]
+    # linked: they follow model.context_length and model.tokenizer
+    assert "max_length" not in data["windows"] and "tokenizer" not in data["corpus"]
     # bpe:N is fitted by train.py before the module exists; the shapes are checked here
     # with a vocabulary that needs no corpus (the fitting is tested end to end elsewhere).
     model = {**printed["model"], "peak_flops": 1.0}
     if model["tokenizer"].startswith("bpe:"):
-        model["tokenizer"] = printed["data"]["tokenizer"] = "byte"
+        model["tokenizer"] = "byte"
     with torch.device("meta"):
         GPTLitModule(**model)
-    GPTDataModule(**printed["data"], max_length=printed["model"]["context_length"])
+    GPTDataModule(Corpus(**data["corpus"], tokenizer=model["tokenizer"]),
+                  Windows(**data["windows"], max_length=model["context_length"]),
+                  Loader(**data["loader"]))
 
 
 def print_config(capsys, *args: str) -> dict:
@@ -224,13 +228,16 @@ def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys
     assert DEFAULT_CONFIG.parent.parent == Path(gptmini.__file__).parent  # package data
     written = yaml.safe_load(DEFAULT_CONFIG.read_text())
     default = print_config(capsys)
-    for key, value in written.items():
-        if isinstance(value, dict):
-            for field, setting in value.items():
-                assert default[key][field] == setting, f"{key}.{field}"
-        else:
-            assert default[key] == value, key
-    assert default["data"]["source"] is None  # the embedded corpus
+
+    def check(written: dict, printed: dict, where: str) -> None:
+        for key, value in written.items():
+            if isinstance(value, dict):  # a section (model:) or a part of one (data.corpus:)
+                check(value, printed[key], f"{where}{key}.")
+            else:
+                assert printed[key] == value, f"{where}{key}"
+
+    check(written, default, "")
+    assert default["data"]["corpus"]["source"] is None  # the embedded corpus
     # What the default run leaves unset comes from GPTConfig, the one place model fields live.
     book = GPTConfig()
     for field in ("qkv_bias", "n_kv_heads", "window_size", "padded_vocab_size"):
@@ -252,17 +259,23 @@ def test_the_module_declares_no_model_field_of_its_own():
                                    context_length=8)  # the rest: GPTConfig's defaults
 
 
-def test_unknown_option_names_the_key_and_suggests_the_close_one():
-    with pytest.raises(SystemExit, match=r"unknown option --model.n_layer; did you mean "
-                                         r"--model.n_layers\?"):
-        build_cli(["--model.n_layer", "2"])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("--model.n_layer", "--model.n_layers"),
+     # the data settings before they were grouped (corpus, windows, loader)
+     ("--data.source", "--data.corpus.source"), ("--data.stride", "--data.windows.stride"),
+     ("--data.batch_size", "--data.loader.batch_size")],
+)
+def test_unknown_option_names_the_key_and_suggests_the_close_one(old, new):
+    with pytest.raises(SystemExit, match=rf"unknown option {old}; did you mean {new}\?"):
+        build_cli([old, "2"])
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model.learning_rate", "-1"], "model.learning_rate=-1.0 must be in"),
-        (["--data.batch_size", "0"], "batch_size"),
+        (["--data.loader.batch_size", "0"], "batch_size"),
     ],
 )
 
@@ -322,14 +335,16 @@ def test_fast_dev_run_works_on_every_shipped_config(tmp_path, corpus, config):
     """The defect: warmup_steps=60 is longer than the run (1 step) ended every fast_dev_run."""
     args = ["--config", str(config), "--trainer.fast_dev_run", "true",
             "--trainer.default_root_dir", str(tmp_path / "runs"),
-            "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(tmp_path / "c")]
+            "--trainer.enable_progress_bar", "false",
+            "--data.corpus.cache_dir", str(tmp_path / "c")]
     if config != DEFAULT_CONFIG:  # a GPU run, brought to this CPU with a tiny model
         shape = {"n_layers": 1, "emb_dim": 32, "n_heads": 2, "context_length": 16}
         args += ["--trainer.accelerator", "cpu", "--trainer.devices", "1",
                  "--trainer.num_nodes", "1", "--trainer.strategy", "auto",
-                 "--data.source", str(corpus), "--data.streaming", "false",
-                 "--data.hub_config", "null", "--data.num_workers", "0", "--data.num_proc", "1",
-                 "--data.val_fraction", "0.1", "--data.batch_size", "2", "--model.compile", "false"]
+                 "--data.corpus.source", str(corpus), "--data.corpus.streaming", "false",
+                 "--data.corpus.hub_config", "null", "--data.loader.num_workers", "0",
+                 "--data.corpus.num_proc", "1", "--data.corpus.val_fraction", "0.1",
+                 "--data.loader.batch_size", "2", "--model.compile", "false"]
         args += [f"--model.{k}={v}" for k, v in shape.items()]
         if "init_from" in config.read_text():
             args += ["--model.init_from", str(tiny_gpt2_directory(tmp_path / "gpt2", **shape))]
@@ -478,7 +493,7 @@ def test_training_with_document_masks_lowers_the_loss(tmp_path, backend):
     corpus.mkdir()
     for d in range(30):
         (corpus / f"{d:02d}.txt").write_text(write_corpus(tmp_path / "one.txt", 1).read_text())
-    args = tiny_args(tmp_path, corpus, "--data.document_mask", "true",
+    args = tiny_args(tmp_path, corpus, "--data.windows.document_mask", "true",
                      "--model.attention_backend", backend, "--model.attn_drop_rate", "0",
                      "--trainer.max_steps", "40")
     assert main(args) == 0
