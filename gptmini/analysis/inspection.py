@@ -75,7 +75,7 @@ def inspect_text(model: nn.Module, ids: list[int], *, top: int = 10) -> TextInsp
 
 
 def pack(seen: TextInspection, tokenizer, encoding: str = "float16") -> dict:
-    """`seen` as JSON-ready values for the page (see /gptmini/attention in the README).
+    """`seen` as JSON-ready values for the page (see /gptmini/attention in docs/serving.md).
 
     The weights and the mask cover the lower triangle only, row by row: row i is keys
     0..i, at offset i * (i + 1) / 2 of each head's block; heads follow each other layer by

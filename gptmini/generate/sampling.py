@@ -52,7 +52,7 @@ class SamplingParams:
     seed: int | None = None
     """Seeds the sequence's own generator: the same text whatever else is batched in
     float64; in float32/bfloat16 other rows in the batch can move the logits' last bits
-    and so flip a draw near a tie (see the README)."""
+    and so flip a draw near a tie (see docs/inference.md)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end the sequence (not included in its output)."""
     stop: tuple[str, ...] = ()
