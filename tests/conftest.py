@@ -38,11 +38,8 @@ def _local_only(connect):
 @pytest.fixture(autouse=True)
 def _eager_flex(monkeypatch):
     """FlexAttention uncompiled (the same math, no minutes of compiling); the tests of the
-    compiled kernel switch it back on."""
-    import gptmini.attention.kernels.flex
-
+    compiled kernel switch it back on. The flex kernel reads the variable at every call."""
     monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "0")
-    gptmini.attention.kernels.flex._compiled_flex.cache_clear()
 
 
 @pytest.fixture(autouse=True)
