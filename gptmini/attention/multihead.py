@@ -9,8 +9,8 @@ Letters in the shape comments:
     head_dim      d_out // num_heads
 
 The module projects queries, keys and values, appends keys and values to a KV cache if
-given one, and hands them to its kernel, chosen once at construction from the table in
-gptmini.attention.kernels (sdpa, explicit, flex, tiled, or one of your own). What the call attends
+given one, and hands them to its kernel, chosen once at construction (gptmini.attention.kernels:
+sdpa, explicit, flex, tiled, or a class of your own). What the call attends
 with (the positions of the new tokens and the mask, in every kernel's form) is an
 `AttentionContext` (gptmini.attention.context): a model builds one per forward pass and passes it to
 every layer; called alone, the module builds its own from its arguments.
@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext
-from gptmini.attention.kernels import KERNELS, explicit_attention, make_kernel
+from gptmini.attention.kernels import KERNELS, backend_name, explicit_attention, make_kernel
 from gptmini.attention.positions import apply_rope
 
 BACKENDS = tuple(KERNELS)
-"""The built-in kernels' names (gptmini.attention.kernels.KERNELS holds registered ones too)."""
+"""The built-in kernels' names (gptmini.attention.kernels.KERNELS)."""
 
 
 class BaseKVCache(ABC):
@@ -165,8 +165,9 @@ class MultiHeadAttention(nn.Module):
         window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
             (with causal=False: keys less than window_size away on either side).
         causal: False attends both ways, as a bidirectional encoder does.
-        backend: a kernel's name in gptmini.attention.kernels: "sdpa" (default), "explicit", "flex",
-            "tiled", or one registered there. Assigning `backend` later swaps the kernel.
+        backend: the kernel (gptmini.attention.kernels): a built-in's name, "sdpa"
+            (default), "explicit", "flex" or "tiled"; a kernel class of your own; or its
+            import path "package.module:ClassName". Assigning `backend` later swaps it.
         rope_theta: rotate queries and keys by their positions (rotary embeddings, base
             rope_theta; gptmini.attention.positions); None: no rotation (the book's).
         qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
@@ -188,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         window_size: int | None = None,
         causal: bool = True,
-        backend: str = "sdpa",
+        backend: str | type = "sdpa",
         rope_theta: float | None = None,
         qk_norm: bool = False,
         out_bias: bool = True,
@@ -248,13 +249,13 @@ class MultiHeadAttention(nn.Module):
         self.register_load_state_dict_pre_hook(_drop_book_mask)
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> str | type:
         return self._backend
 
     @backend.setter
-    def backend(self, name: str):
-        self.kernel = make_kernel(name)  # raises, naming the choices, for an unknown name
-        self._backend = name
+    def backend(self, backend: str | type):
+        self.kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+        self._backend = backend
 
     def forward(
         self,
@@ -332,9 +333,10 @@ class MultiHeadAttention(nn.Module):
         else:
             if dropout_p > 0 and not self.kernel.has_dropout:
                 raise ValueError(
-                    f"the {self.backend} attention backend has no attention dropout, and this "
-                    f"module is training with dropout {dropout_p}: set the attention dropout "
-                    "to 0 (--model.attn_drop_rate 0) or use the sdpa or explicit backend"
+                    f"the {backend_name(self.backend)} attention backend has no attention "
+                    f"dropout, and this module is training with dropout {dropout_p}: set the "
+                    "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
+                    "explicit backend"
                 )
             context_vec = self.kernel(queries, keys, values, context, dropout_p)
         if ragged is not None:

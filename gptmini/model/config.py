@@ -4,7 +4,7 @@ no biases, soft-capped scores) beside them."""
 
 from dataclasses import asdict, dataclass, replace
 
-from gptmini.attention.kernels import KERNELS
+from gptmini.attention import kernels
 from gptmini.attention.positions import POSITIONS
 
 __all__ = ["GPT_CONFIG_124M", "GPTConfig", "MLPS", "NORMS", "PRESETS"]
@@ -51,7 +51,9 @@ class GPTConfig:
     """Share the token embedding with the output head (GPT-2 does; the book does not)."""
     attention_backend: str = "sdpa"
     """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
-    (FlexAttention, compiled; forward only on CPU) or tiled (flash attention from scratch)."""
+    (FlexAttention, compiled; forward only on CPU), tiled (flash attention from scratch), or
+    a kernel class of your own as 'package.module:ClassName' (imported when the model is
+    built)."""
     attn_drop_rate: float | None = None
     """Dropout on attention weights; None: drop_rate. flex and tiled train only with 0."""
     padded_vocab_size: int | None = None
@@ -108,11 +110,9 @@ class GPTConfig:
                 "window_size",
                 "use a positive integer, or None for full causal attention",
             )
-        need(
-            self.attention_backend in KERNELS,
-            "attention_backend",
-            f"use one of {', '.join(KERNELS)}",
-        )
+        need(kernels.is_backend_name(self.attention_backend), "attention_backend",
+             f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
+             "'package.module:ClassName'")
         if self.attn_drop_rate is not None:
             need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
                  "use a value in [0, 1), or None for drop_rate")
