@@ -5,9 +5,13 @@ processes tests start inherit them too), tiktoken's download is stubbed, and a s
 only connect to this machine (loopback or a Unix socket).
 """
 
+import filecmp
 import ipaddress
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -38,11 +42,8 @@ def _local_only(connect):
 @pytest.fixture(autouse=True)
 def _eager_flex(monkeypatch):
     """FlexAttention uncompiled (the same math, no minutes of compiling); the tests of the
-    compiled kernel switch it back on."""
-    import gptmini.attention.kernels.flex
-
+    compiled kernel switch it back on. The flex kernel reads the variable at every call."""
     monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "0")
-    gptmini.attention.kernels.flex._compiled_flex.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +88,56 @@ def run_dir(tmp_path) -> Path:
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus.txt", repeats=12)
+
+
+class PackageCopy:
+    """A copy of the gptmini package in a folder of its own: a test adds to it what a
+    contributor would, runs Python against it in a fresh process, and asks which files it
+    changed."""
+
+    def __init__(self, root: Path):
+        self.original = Path(__file__).resolve().parents[1] / "gptmini"
+        self.root = root
+        shutil.copytree(self.original, root / "gptmini",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+    def write(self, path: str, text: str) -> None:
+        """A new file at `path` (relative to the package)."""
+        (self.root / "gptmini" / path).write_text(text)
+
+    def insert_after(self, path: str, anchor: str, line: str) -> None:
+        """`line` on a line of its own after the first line holding `anchor`."""
+        file = self.root / "gptmini" / path
+        lines = file.read_text().splitlines(keepends=True)
+        at = next(i for i, text in enumerate(lines) if anchor in text)
+        lines.insert(at + 1, line + "\n")
+        file.write_text("".join(lines))
+
+    def changed(self) -> list[str]:
+        """The package's files that differ from the original's, or are new."""
+        found = []
+        for file in sorted((self.root / "gptmini").rglob("*.py")):
+            name = file.relative_to(self.root / "gptmini")
+            before = self.original / name
+            if not before.exists() or not filecmp.cmp(file, before, shallow=False):
+                found.append(str(name))
+        return found
+
+    def run(self, code: str) -> str:
+        """`code` run by a fresh interpreter that imports gptmini from this copy; its stdout.
+
+        Raises:
+            AssertionError: the process failed (with its stderr).
+        """
+        env = {**os.environ, "PYTHONPATH": str(self.root), "OMP_NUM_THREADS": "1"}
+        check = f"import gptmini; assert gptmini.__file__.startswith({str(self.root)!r})\n"
+        done = subprocess.run([sys.executable, "-c", check + code], cwd=self.root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+
+@pytest.fixture
+def package_copy(tmp_path) -> PackageCopy:
+    """A copy of the gptmini package to extend, as a contributor would (see PackageCopy)."""
+    return PackageCopy(tmp_path / "copy")

@@ -2,15 +2,17 @@
 
     multihead.py  the module: projections, the KV-cache interface, the call into a kernel
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
+                  with the layers' `AttentionSettings`
     masks.py      the mask algebra (True = may attend) and score modifiers (ALiBi, soft-cap)
-    positions.py  position schemes: learned, rotary, ALiBi, none
+    positions/    position schemes, one object each: learned, rope, alibi, none (`SCHEMES`)
     kernels/      sdpa, explicit, flex, tiled (flash attention's algorithm), as a table
     book.py       the book's teaching variants (Listings 3.1-3.4), kept as oracles
 
 Imports only torch.
 """
 
-from gptmini.attention.context import AttentionContext, Ragged
+from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
 from gptmini.attention.multihead import BaseKVCache, KVCache, MultiHeadAttention
 
-__all__ = ["AttentionContext", "BaseKVCache", "KVCache", "MultiHeadAttention", "Ragged"]
+__all__ = ["AttentionContext", "AttentionSettings", "BaseKVCache", "KVCache",
+           "MultiHeadAttention", "Ragged"]

@@ -2,12 +2,14 @@
 
 `GPTModel.forward` (or the engine, for one of its steps) builds one `AttentionContext` and
 hands it to every block, as torchtitan builds its masks once per batch and nano-vllm's
-model runner builds one context per step. It holds:
+model runner builds one context per step. It is built with the layers' `AttentionSettings`
+(causal, window, position scheme, soft-cap: the same for every layer) and holds:
 
     positions   (b, num_tokens): where each new token sits in its sequence, counted from
                 its row's first real token (padding) or its document's first token
     mask        the mask function of gptmini.attention.masks for this call, or None (all keys)
-    score_mod   the score modifier (ALiBi, soft-capping), or None
+    score_mod   the score modifier (the position scheme's, such as ALiBi; soft-capping), or
+                None
 
 and makes the mask's per-kernel forms lazily, once, for every layer to share:
 
@@ -16,7 +18,7 @@ and makes the mask's per-kernel forms lazily, once, for every layer to share:
     block_mask()     a FlexAttention BlockMask
     tile_plan(tile)  which tiles the tiled kernel skips, computes whole, or masks
     empty_rows()     (b, num_tokens): queries the mask leaves no key (left padding)
-    rope(...)        the rotary angles of the positions (gptmini.attention.positions)
+    once(key, make)  anything else every layer shares: a rotary scheme's angles
 
 Positions are absolute within a call: the queries are the last num_tokens of num_keys
 positions (the keys before them are in a KV cache).
@@ -27,48 +29,102 @@ which attention reads them one sequence per row (see `Ragged`).
 """
 
 import functools
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
 from gptmini.attention import masks
-from gptmini.attention.positions import alibi_slopes, rope_angles
+from gptmini.attention.positions import NoPositions, PositionScheme
 
-__all__ = ["AttentionContext", "Ragged", "positions_in_documents"]
+__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "positions_in_documents"]
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """What a layer attends with, the same for every layer of a model: a context is built
+    with them, and a layer refuses a context built with other settings."""
+
+    causal: bool = True
+    """A query sees itself and earlier keys only (False: both ways, as an encoder)."""
+    window_size: int | None = None
+    """Query i sees keys i - window_size + 1 ... i (non-causal: less than this far either
+    side); None: every key."""
+    position_scheme: PositionScheme = field(default_factory=NoPositions)
+    """How positions enter (gptmini.attention.positions): its rotation and score modifier."""
+    softcap: float | None = None
+    """Soft-cap the scaled scores at this value (cap * tanh(score / cap)); None: no cap."""
+
+    def __post_init__(self):
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"window_size must be at least 1, got {self.window_size}; "
+                             "use None for full causal attention")
+
+    def __str__(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+    def mask(self, num_tokens: int, num_keys: int, attention_mask: Tensor | None,
+             document_ids: Tensor | None) -> masks.MaskMod | None:
+        """The mask of a call over `num_tokens` new of `num_keys` keys, or None (all)."""
+        parts = []
+        if self.causal and not (num_tokens == 1 and num_keys >= 1):
+            parts.append(masks.causal)  # a single newest query sees every earlier key anyway
+        if self.window_size is not None and num_keys > self.window_size:  # else none is farther
+            parts.append(masks.sliding_window(self.window_size))
+        if attention_mask is not None:
+            parts.append(masks.padding(attention_mask))
+        if document_ids is not None:
+            parts.append(masks.document(document_ids))
+        return None if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+
+    def score_mod(self, device: torch.device | str | None) -> masks.ScoreMod | None:
+        """The position scheme's modifier, then the soft-cap, or None."""
+        mods = []
+        scheme_mod = self.position_scheme.score_mod(device)
+        if scheme_mod is not None:
+            mods.append(scheme_mod)
+        if self.softcap is not None:
+            mods.append(masks.softcap(self.softcap))
+        return None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
 
 
 class AttentionContext:
     """One forward pass's positions and mask (see the module docstring).
 
-    Build it with `AttentionContext.build`; the forms are computed on first use and kept.
-    A context belongs to one forward pass: layers share it, threads and steps do not.
+    Build it with `AttentionContext.build`, which works out the positions; the forms are
+    computed on first use and kept. A context belongs to one forward pass: layers share it,
+    threads and steps do not.
+
+    Args:
+        positions: (b, num_tokens) the new tokens' positions.
+        num_keys: cached tokens + new tokens.
+        settings: the layers' settings (mask, position scheme, soft-cap).
+        attention_mask: optional (b, num_keys), 1 at real tokens and 0 at padding.
+        document_ids: optional (b, num_keys), the document of each token.
+        uses_cache: keys before the new tokens come from a KV cache (even empty).
+        rows_alike: every row has the same positions.
+        ragged: several sequences packed in one row (an engine step; see `Ragged`).
     """
 
-    def __init__(self, *, positions: Tensor, mask: masks.MaskMod | None, num_keys: int,
-                 causal: bool, window_size: int | None, padded: bool, data_dependent: bool,
-                 uses_cache: bool, score_mod: masks.ScoreMod | None = None,
-                 alibi_heads: int | None = None, softcap: float | None = None,
-                 rows_alike: bool = False, ragged: "Ragged | None" = None):
-        self.positions = positions
-        self.ragged = ragged  # several sequences packed in one row (an engine step)
-        self.mask = mask
-        self.score_mod = score_mod
-        self.alibi_heads, self.softcap = alibi_heads, softcap
+    def __init__(self, positions: Tensor, num_keys: int, settings: AttentionSettings, *,
+                 attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
+                 uses_cache: bool = False, rows_alike: bool = False,
+                 ragged: "Ragged | None" = None):
+        self.positions, self.num_keys, self.settings = positions, num_keys, settings
         self.batch, self.num_tokens = positions.shape
-        self.num_keys = num_keys
         self.device = positions.device
-        self.causal, self.window_size = causal, window_size
-        self.padded = padded  # only padding can leave a query no key at all
-        self.data_dependent = data_dependent  # the mask reads padding or document tensors
-        self.rows_alike = rows_alike  # every row has the same positions
-        self.uses_cache = uses_cache  # keys before the new tokens come from a KV cache
+        self.mask = settings.mask(self.num_tokens, num_keys, attention_mask, document_ids)
+        self.score_mod = settings.score_mod(self.device)
+        self.padded = attention_mask is not None  # only padding can leave a query no key
+        # the mask reads padding or document tensors
+        self.data_dependent = attention_mask is not None or document_ids is not None
+        self.uses_cache, self.rows_alike, self.ragged = uses_cache, rows_alike, ragged
         self._forms: dict = {}
 
     @classmethod
-    def build(cls, batch: int, num_tokens: int, num_cached: int = 0, *, causal: bool = True,
-              window_size: int | None = None, attention_mask: Tensor | None = None,
+    def build(cls, batch: int, num_tokens: int, num_cached: int = 0, *,
+              settings: AttentionSettings | None = None, attention_mask: Tensor | None = None,
               document_ids: Tensor | None = None, uses_cache: bool = False,
-              alibi_heads: int | None = None, softcap: float | None = None,
               positions: Tensor | None = None, ragged: "Ragged | None" = None,
               device: torch.device | str | None = None) -> "AttentionContext":
         """The context of a call over `num_tokens` new tokens after `num_cached` cached ones.
@@ -76,12 +132,11 @@ class AttentionContext:
         Args:
             batch, num_tokens: the new tokens' shape.
             num_cached: tokens already in the KV cache; num_keys = num_cached + num_tokens.
-            causal, window_size: the attention's own settings (every layer's, in a model).
+            settings: the attention's own settings (every layer's, in a model); None: the
+                defaults (causal, no window, no positions in attention, no cap).
             attention_mask: optional (b, num_keys), 1 at real tokens and 0 at padding.
             document_ids: optional (b, num_keys), the document of each token.
             uses_cache: a KV cache is in play (even empty, on its first call).
-            alibi_heads: ALiBi's distance penalties with the slopes of this many heads.
-            softcap: soft-cap the scores at this value.
             positions: (b, num_tokens) the new tokens' positions, when they are not their
                 places in this call (a cache that dropped its oldest tokens continues from
                 the positions it holds); None: worked out from the arguments above.
@@ -90,7 +145,7 @@ class AttentionContext:
             device: where positions and masks live (default: the masks' tensors' device).
 
         Raises:
-            ValueError: attention_mask or document_ids not (batch, num_keys).
+            ValueError: attention_mask, document_ids or positions of the wrong shape.
         """
         num_keys = num_cached + num_tokens
         for name, per_key in (("attention_mask", attention_mask), ("document_ids", document_ids)):
@@ -102,41 +157,15 @@ class AttentionContext:
             if per_key is not None:
                 device = per_key.device
         rows_alike = positions is None and attention_mask is None and document_ids is None
-        if positions is not None:
-            if tuple(positions.shape) != (batch, num_tokens):
-                raise ValueError(f"positions must have shape (batch, num_tokens) = ({batch}, "
-                                 f"{num_tokens}), got {tuple(positions.shape)}")
-        elif document_ids is not None:
-            positions = positions_in_documents(document_ids)[:, -num_tokens:]
-        elif attention_mask is not None:
-            # each token's place among its row's real tokens, so a left-padded prompt is
-            # positioned as it would be alone
-            positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-            positions = positions[:, -num_tokens:]  # (b, num_tokens)
-        else:
-            positions = torch.arange(num_cached, num_keys, device=device).expand(batch, -1)
-
-        parts = []
-        if causal and not (num_tokens == 1 and num_keys >= 1):
-            parts.append(masks.causal)  # a single newest query sees every earlier key anyway
-        if window_size is not None and num_keys > window_size:  # else none is farther
-            parts.append(masks.sliding_window(window_size))
-        if attention_mask is not None:
-            parts.append(masks.padding(attention_mask))
-        if document_ids is not None:
-            parts.append(masks.document(document_ids))
-        mask = None if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
-        mods = []
-        if alibi_heads is not None:
-            mods.append(masks.alibi(alibi_slopes(alibi_heads).to(positions.device)))
-        if softcap is not None:
-            mods.append(masks.softcap(softcap))
-        score_mod = None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
-        return cls(positions=positions, mask=mask, num_keys=num_keys, causal=causal,
-                   window_size=window_size, padded=attention_mask is not None,
-                   data_dependent=attention_mask is not None or document_ids is not None,
-                   uses_cache=uses_cache, score_mod=score_mod, alibi_heads=alibi_heads,
-                   softcap=softcap, rows_alike=rows_alike, ragged=ragged)
+        if positions is None:
+            positions = _positions(batch, num_tokens, num_cached, attention_mask, document_ids,
+                                   device)
+        elif tuple(positions.shape) != (batch, num_tokens):
+            raise ValueError(f"positions must have shape (batch, num_tokens) = ({batch}, "
+                             f"{num_tokens}), got {tuple(positions.shape)}")
+        return cls(positions, num_keys, settings or AttentionSettings(),
+                   attention_mask=attention_mask, document_ids=document_ids,
+                   uses_cache=uses_cache, rows_alike=rows_alike, ragged=ragged)
 
     @property
     def plain_causal(self) -> bool:
@@ -144,7 +173,9 @@ class AttentionContext:
         return (self.mask is masks.causal and self.num_tokens == self.num_keys
                 and self.score_mod is None)
 
-    def _once(self, key, make):
+    def once(self, key, make):
+        """`make()`, computed on the first call with this `key` and kept for the pass: what
+        every layer shares (a rotary scheme's angles, the mask's forms)."""
         if key not in self._forms:
             self._forms[key] = make()
         return self._forms[key]
@@ -155,7 +186,7 @@ class AttentionContext:
         A query with no key at all (left padding) is let see every key here, so a softmax
         over it is not NaN; `empty_rows` says which to zero afterwards.
         """
-        return self._once("dense", self._dense)
+        return self.once("dense", self._dense)
 
     def _dense(self) -> Tensor | None:
         if self.mask is None:
@@ -176,21 +207,15 @@ class AttentionContext:
             allowed = self.dense()
             return bias if allowed is None else bias.masked_fill(~allowed, -torch.inf)
 
-        return self._once(("float_mask", num_heads, dtype), build)
+        return self.once(("float_mask", num_heads, dtype), build)
 
     def empty_rows(self) -> Tensor | None:
         """(b, num_tokens): True at queries the mask lets see no key; None if there are none
         by construction (only padding can empty a row: a query always sees itself)."""
         if not self.padded:
             return None
-        return self._once("empty_rows", lambda: ~masks.rows_with_keys(
+        return self.once("empty_rows", lambda: ~masks.rows_with_keys(
             self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
-
-    def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin of the new tokens' rotary angles, (b, 1, num_tokens, head_dim):
-        every layer of the pass rotates its queries and keys with the same ones."""
-        return self._once(("rope", head_dim, theta, dtype),
-                          lambda: rope_angles(self.positions, head_dim, theta, dtype))
 
     def block_mask(self):
         """The mask as a FlexAttention BlockMask, or None for all keys. A mask that reads no
@@ -198,9 +223,9 @@ class AttentionContext:
         if self.mask is None:
             return None
         if not self.data_dependent:
-            return _fixed_block_mask(self.causal, self.window_size, self.num_tokens,
-                                     self.num_keys, str(self.device))
-        return self._once("block_mask", lambda: masks.block_mask(
+            return _fixed_block_mask(self.settings.causal, self.settings.window_size,
+                                     self.num_tokens, self.num_keys, str(self.device))
+        return self.once("block_mask", lambda: masks.block_mask(
             self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
 
     def tile_plan(self, tile: int) -> tuple[Tensor, Tensor] | None:
@@ -214,7 +239,7 @@ class AttentionContext:
                                           self.num_keys, tile, self.device)
             return some.cpu(), every.cpu()  # read once, on the host
 
-        return self._once(("tile_plan", tile), plan)
+        return self.once(("tile_plan", tile), plan)
 
 
 @functools.lru_cache(maxsize=16)
@@ -244,9 +269,8 @@ class Ragged:
     only attention's share of the work, and only in the rows shorter than the longest.
     """
 
-    def __init__(self, num_new: list[int], num_cached: list[int], *, causal: bool = True,
-                 window_size: int | None = None, alibi_heads: int | None = None,
-                 softcap: float | None = None, device=None):
+    def __init__(self, num_new: list[int], num_cached: list[int],
+                 settings: AttentionSettings | None = None, *, device=None):
         longest_new = self.longest_new = max(num_new)
         self.num_keys = max(n + c for n, c in zip(num_new, num_cached, strict=True))
         starts = torch.tensor([0, *num_new], device=device).cumsum(0)[:-1]  # packed offsets
@@ -262,9 +286,8 @@ class Ragged:
         self.key_index = (torch.arange(self.num_keys, device=device)
                           - (self.num_keys - total[:, None]))  # (num_seqs, num_keys)
         self.context = AttentionContext.build(
-            len(num_new), longest_new, self.num_keys - longest_new, causal=causal,
-            window_size=window_size, attention_mask=self.key_index >= 0, uses_cache=True,
-            alibi_heads=alibi_heads, softcap=softcap)
+            len(num_new), longest_new, self.num_keys - longest_new, settings=settings,
+            attention_mask=self.key_index >= 0, uses_cache=True)
 
     def new_of(self, per_key: Tensor) -> Tensor:
         """(num_seqs, num_keys) values per key -> (total_new,) those of the new tokens, in
@@ -278,6 +301,20 @@ class Ragged:
     def pack(self, x: Tensor) -> Tensor:
         """(num_seqs, heads, longest_new, head_dim) -> (1, heads, total_new, head_dim)."""
         return x.transpose(0, 1).flatten(1, 2)[:, self.real].unsqueeze(0)
+
+
+def _positions(batch: int, num_tokens: int, num_cached: int, attention_mask: Tensor | None,
+               document_ids: Tensor | None, device) -> Tensor:
+    """(b, num_tokens) the new tokens' places: counted from each document's start, from each
+    row's first real token, or plainly after the cached ones."""
+    if document_ids is not None:
+        return positions_in_documents(document_ids)[:, -num_tokens:]
+    if attention_mask is not None:
+        # each token's place among its row's real tokens, so a left-padded prompt is
+        # positioned as it would be alone
+        positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        return positions[:, -num_tokens:]  # (b, num_tokens)
+    return torch.arange(num_cached, num_cached + num_tokens, device=device).expand(batch, -1)
 
 
 def positions_in_documents(document_ids: Tensor) -> Tensor:

@@ -8,12 +8,13 @@ Letters in the shape comments:
     num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
     head_dim      d_out // num_heads
 
-The module projects queries, keys and values, appends keys and values to a KV cache if
-given one, and hands them to its kernel, chosen once at construction from the table in
-gptmini.attention.kernels (sdpa, explicit, flex, tiled, or one of your own). What the call attends
-with (the positions of the new tokens and the mask, in every kernel's form) is an
-`AttentionContext` (gptmini.attention.context): a model builds one per forward pass and passes it to
-every layer; called alone, the module builds its own from its arguments.
+The module projects queries, keys and values, turns queries and keys by their positions if
+its position scheme rotates (gptmini.attention.positions), appends keys and values to a KV
+cache if given one, and hands them to its kernel, chosen once at construction
+(gptmini.attention.kernels: sdpa, explicit, flex, tiled, or a class of your own). What the
+call attends with (the positions of the new tokens and the mask, in every kernel's form) is
+an `AttentionContext` (gptmini.attention.context): a model builds one per forward pass and
+passes it to every layer; called alone, the module builds its own from its arguments.
 
 A query with no key to attend (left padding) gets a zero output, never NaN, on every
 kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 in training
@@ -25,12 +26,17 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor, nn
 
-from gptmini.attention.context import AttentionContext
-from gptmini.attention.kernels import KERNELS, explicit_attention, make_kernel
-from gptmini.attention.positions import apply_rope
+from gptmini.attention.context import AttentionContext, AttentionSettings
+from gptmini.attention.kernels import KERNELS, backend_name, explicit_attention, make_kernel
+from gptmini.attention.positions import (
+    AlibiPositions,
+    NoPositions,
+    PositionScheme,
+    RotaryPositions,
+)
 
 BACKENDS = tuple(KERNELS)
-"""The built-in kernels' names (gptmini.attention.kernels.KERNELS holds registered ones too)."""
+"""The built-in kernels' names (gptmini.attention.kernels.KERNELS)."""
 
 
 class BaseKVCache(ABC):
@@ -165,17 +171,28 @@ class MultiHeadAttention(nn.Module):
         window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
             (with causal=False: keys less than window_size away on either side).
         causal: False attends both ways, as a bidirectional encoder does.
-        backend: a kernel's name in gptmini.attention.kernels: "sdpa" (default), "explicit", "flex",
-            "tiled", or one registered there. Assigning `backend` later swaps the kernel.
-        rope_theta: rotate queries and keys by their positions (rotary embeddings, base
-            rope_theta; gptmini.attention.positions); None: no rotation (the book's).
+        backend: the kernel (gptmini.attention.kernels): a built-in's name, "sdpa"
+            (default), "explicit", "flex" or "tiled"; a kernel class of your own; or its
+            import path "package.module:ClassName". Assigning `backend` later swaps it.
+        position_scheme: how positions enter attention (gptmini.attention.positions): its
+            rotation of queries and keys, its score modifier. A GPTModel hands every layer
+            its scheme; None: no positions in attention (the book's: they are embedded).
+        rope_theta: for a module used alone, rotary positions with this base (the same as
+            position_scheme=RotaryPositions(head_dim, rope_theta)).
+        alibi: for a module used alone, ALiBi's per-head distance penalties on the scores
+            (the same as position_scheme=AlibiPositions(num_heads)).
         qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
             OLMo 2 do), which keeps the scores' scale in check.
         out_bias: a bias in out_proj (the book's); Llama-style models have none.
-        alibi: add ALiBi's per-head distance penalties to the scores (gptmini.attention.masks).
         softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
+
+    What its contexts must be built with (causal, window, position scheme, soft-cap) is
+    `settings`, an `AttentionSettings`.
     """
 
+    # 16 parameters: the book's six, then one keyword per option above, each one a reader
+    # may type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
+    # short spelling of two position schemes for a module used alone.
     def __init__(
         self,
         d_in: int,
@@ -188,46 +205,24 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         window_size: int | None = None,
         causal: bool = True,
-        backend: str = "sdpa",
+        backend: str | type = "sdpa",
+        position_scheme: PositionScheme | None = None,
         rope_theta: float | None = None,
+        alibi: bool = False,
         qk_norm: bool = False,
         out_bias: bool = True,
-        alibi: bool = False,
         softcap: float | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads < 1 or d_out % num_heads != 0:
-            raise ValueError(
-                f"d_out must be divisible by num_heads, got d_out={d_out}, "
-                f"num_heads={num_heads}; pick num_heads among the divisors of d_out"
-            )
-        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
-                f"num_kv_heads={num_kv_heads}; use a divisor of num_heads (1 = multi-query)"
-            )
-        if window_size is not None and window_size < 1:
-            raise ValueError(
-                f"window_size must be at least 1, got {window_size}; "
-                "use None for full causal attention"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if rope_theta is not None and ((d_out // num_heads) % 2 or rope_theta <= 0):
-            raise ValueError(
-                f"rotary embeddings need an even head_dim and rope_theta > 0, got head_dim="
-                f"{d_out // num_heads}, rope_theta={rope_theta}; pick num_heads so that "
-                "d_out / num_heads is even")
+        _check_heads(d_out, num_heads, num_kv_heads, dropout)
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = d_out // num_heads
         self.context_length = context_length
-        self.window_size = window_size
-        self.causal = causal
-        self.rope_theta = rope_theta
-        self.alibi, self.softcap = alibi, softcap
+        scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
+        self.settings = AttentionSettings(causal, window_size, scheme, softcap)
         self.backend = backend  # builds self.kernel
 
         kv_dim = num_kv_heads * self.head_dim
@@ -248,13 +243,13 @@ class MultiHeadAttention(nn.Module):
         self.register_load_state_dict_pre_hook(_drop_book_mask)
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> str | type:
         return self._backend
 
     @backend.setter
-    def backend(self, name: str):
-        self.kernel = make_kernel(name)  # raises, naming the choices, for an unknown name
-        self._backend = name
+    def backend(self, backend: str | type):
+        self.kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+        self._backend = backend
 
     def forward(
         self,
@@ -290,18 +285,7 @@ class MultiHeadAttention(nn.Module):
             left-padding position) gets zero weights and a zero output, never NaN.
         """
         b, num_tokens, _ = x.shape
-        num_cached = len(kv_cache) if kv_cache is not None else 0
-        ragged = context.ragged if context is not None else None
-        if ragged is not None:  # an engine step: its sequences' lengths are checked there
-            num_cached = context.num_keys - num_tokens
-        elif num_cached + num_tokens > self.context_length:
-            raise ValueError(
-                f"attention got {num_cached + num_tokens} positions but context_length is "
-                f"{self.context_length}; crop the input to its last {self.context_length} "
-                "tokens"
-            )
-        context = self._check_context(context, b, num_tokens, num_cached, attention_mask,
-                                      document_ids, kv_cache is not None, x.device, positions)
+        context = self._context(x, context, kv_cache, attention_mask, document_ids, positions)
         queries = self.W_query(x)  # (b, num_tokens, d_out)
         keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
         values = self.W_value(x)
@@ -312,33 +296,13 @@ class MultiHeadAttention(nn.Module):
         values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
-        if self.rope_theta is not None:  # rotated at their positions, then cached
-            cos, sin = context.rope(self.head_dim, self.rope_theta, queries.dtype)
-            queries, keys = apply_rope(queries, cos, sin), apply_rope(keys, cos, sin)
+        # rotated at their positions (a rotary scheme), then cached
+        queries, keys = self.settings.position_scheme.rotate(queries, keys, context)
 
         if kv_cache is not None:
             # (b, num_kv_heads, num_keys, head_dim)
             keys, values = kv_cache.update(keys, values, context.positions)
-
-        dropout_p = self.dropout.p if self.training else 0.0
-        weights = None
-        if ragged is not None:  # one row per sequence for attention, then packed again
-            if return_weights:
-                raise ValueError("return_weights needs one sequence per row; an engine "
-                                 "step's packed sequences have no such weights")
-            queries, outer, context = ragged.unpack(queries), context, ragged.context
-        if return_weights:
-            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
-        else:
-            if dropout_p > 0 and not self.kernel.has_dropout:
-                raise ValueError(
-                    f"the {self.backend} attention backend has no attention dropout, and this "
-                    f"module is training with dropout {dropout_p}: set the attention dropout "
-                    "to 0 (--model.attn_drop_rate 0) or use the sdpa or explicit backend"
-                )
-            context_vec = self.kernel(queries, keys, values, context, dropout_p)
-        if ragged is not None:
-            context_vec, context = ragged.pack(context_vec), outer
+        context_vec, weights = self._attend(queries, keys, values, context, return_weights)
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
@@ -348,14 +312,52 @@ class MultiHeadAttention(nn.Module):
             out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
         return (out, weights) if return_weights else out
 
-    def _check_context(self, context, b, num_tokens, num_cached, attention_mask, document_ids,
-                       uses_cache, device, positions) -> AttentionContext:
+    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, context: AttentionContext,
+                return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """The kernel's output (b, num_heads, num_tokens, head_dim), and with
+        `return_weights` the explicit path's output and weights instead."""
+        dropout_p = self.dropout.p if self.training else 0.0
+        ragged = context.ragged
+        if ragged is not None:  # one row per sequence for attention, then packed again
+            if return_weights:
+                raise ValueError("return_weights needs one sequence per row; an engine "
+                                 "step's packed sequences have no such weights")
+            queries, context = ragged.unpack(queries), ragged.context
+        if return_weights:
+            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
+        else:
+            if dropout_p > 0 and not self.kernel.has_dropout:
+                raise ValueError(
+                    f"the {backend_name(self.backend)} attention backend has no attention "
+                    f"dropout, and this module is training with dropout {dropout_p}: set the "
+                    "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
+                    "explicit backend"
+                )
+            context_vec, weights = self.kernel(queries, keys, values, context, dropout_p), None
+        if ragged is not None:
+            context_vec = ragged.pack(context_vec)
+        return context_vec, weights
+
+    def _context(self, x: Tensor, context: AttentionContext | None,
+                 kv_cache: BaseKVCache | None, attention_mask: Tensor | None,
+                 document_ids: Tensor | None, positions: Tensor | None) -> AttentionContext:
+        """The given context, checked against this call and layer, or one built here."""
+        b, num_tokens, _ = x.shape
+        num_cached = len(kv_cache) if kv_cache is not None else 0
+        if context is not None and context.ragged is not None:
+            # an engine step: its sequences' lengths are checked there
+            num_cached = context.num_keys - num_tokens
+        elif num_cached + num_tokens > self.context_length:
+            raise ValueError(
+                f"attention got {num_cached + num_tokens} positions but context_length is "
+                f"{self.context_length}; crop the input to its last {self.context_length} "
+                "tokens"
+            )
         if context is None:
             return AttentionContext.build(
-                b, num_tokens, num_cached, causal=self.causal, window_size=self.window_size,
-                attention_mask=attention_mask, document_ids=document_ids,
-                uses_cache=uses_cache, alibi_heads=self.num_heads if self.alibi else None,
-                softcap=self.softcap, positions=positions, device=device)
+                b, num_tokens, num_cached, settings=self.settings, attention_mask=attention_mask,
+                document_ids=document_ids, uses_cache=kv_cache is not None, positions=positions,
+                device=x.device)
         if attention_mask is not None or document_ids is not None or positions is not None:
             raise ValueError("pass attention_mask, document_ids and positions to "
                              "AttentionContext.build, not beside a context that holds them")
@@ -365,17 +367,43 @@ class MultiHeadAttention(nn.Module):
                 f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
                 f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
                 f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
-        mine = (self.causal, self.window_size, self.num_heads if self.alibi else None,
-                self.softcap)
-        theirs = (context.causal, context.window_size, context.alibi_heads, context.softcap)
-        if mine != theirs:
-            names = ("causal", "window_size", "alibi_heads", "softcap")
+        if context.settings != self.settings:
             raise ValueError(
-                "the context was built with " + ", ".join(
-                    f"{n}={v}" for n, v in zip(names, theirs, strict=True)) + ", but this "
-                "layer has " + ", ".join(f"{n}={v}" for n, v in zip(names, mine, strict=True))
-                + "; build it with the layer's settings (GPTModel.new_context does)")
+                f"the context was built with {context.settings}, but this layer has "
+                f"{self.settings}; build it with the layer's settings (settings="
+                "layer.settings; GPTModel.new_context does)")
         return context
+
+
+def _check_heads(d_out: int, num_heads: int, num_kv_heads: int, dropout: float) -> None:
+    if num_heads < 1 or d_out % num_heads != 0:
+        raise ValueError(
+            f"d_out must be divisible by num_heads, got d_out={d_out}, "
+            f"num_heads={num_heads}; pick num_heads among the divisors of d_out"
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads}; use a divisor of num_heads (1 = multi-query)"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, alibi: bool,
+                     num_heads: int, head_dim: int) -> PositionScheme:
+    """The scheme of a module's options: position_scheme, or one of its two short forms."""
+    given = [name for name, value in (("position_scheme", scheme is not None),
+                                      ("rope_theta", rope_theta is not None),
+                                      ("alibi", alibi)) if value]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} each choose how positions enter: pass one "
+                         "(rope_theta and alibi are short for a position_scheme)")
+    if rope_theta is not None:
+        return RotaryPositions(head_dim=head_dim, theta=rope_theta)
+    if alibi:
+        return AlibiPositions(num_heads=num_heads)
+    return NoPositions() if scheme is None else scheme
 
 
 def _drop_book_mask(module, state_dict, prefix, *args):

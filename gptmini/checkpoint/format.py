@@ -26,7 +26,7 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
-from gptmini.convert import load_hf
+from gptmini.convert import is_llama_architecture, load_hf
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype
 from gptmini.tokenizer import (
@@ -90,11 +90,7 @@ def load_checkpoint(
             "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
         )
     if path.is_dir():
-        model = load_hf(path)
-        tokenizer = _hf_directory_tokenizer(path, model.cfg.position == "learned")
-        model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
-        hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
-        return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
+        return _load_hf_directory(path, map_location)
 
     ckpt = read_checkpoint(path, map_location)
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
@@ -120,6 +116,22 @@ def load_checkpoint(
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from err
 
+    model = _model_holding(cfg, model_state, path)
+    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedModel:
+    """`load_checkpoint` of a Hugging Face directory: its model, and its tokenizer.json
+    (GPT-2's vocabulary for a GPT-2 directory without one)."""
+    model = load_hf(path)
+    tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(model.cfg))
+    model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
+    hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+    return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
+
+
+def _model_holding(cfg: GPTConfig, model_state: dict, path: Path) -> GPTModel:
+    """A GPTModel of `cfg` with a checkpoint's weights, or an error naming what differs."""
     model = GPTModel(cfg)
     if cfg.tie_weights and "out_head.weight" not in model_state:
         # One copy is enough for a tied head; some writers keep only the embedding.
@@ -133,7 +145,7 @@ def load_checkpoint(
             f"{path}: the weights do not match the model its hyper_parameters describe "
             f"({cfg}): {'; '.join(problems[:3])}{more}"
         ) from None
-    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+    return model
 
 
 def load_on_device(path: str | Path, device: torch.device | str, dtype: str) -> LoadedModel:

@@ -14,6 +14,7 @@ from gptmini.convert.llama import (
     config_to_llama,
     from_llama_state_dict,
     interleaved_to_halves,
+    is_llama_architecture,
     to_llama_state_dict,
 )
 from gptmini.convert.weights import model_from_weights
@@ -28,6 +29,7 @@ __all__ = [
     "from_hf_state_dict",
     "from_llama_state_dict",
     "interleaved_to_halves",
+    "is_llama_architecture",
     "load_hf",
     "model_from_weights",
     "read_hf_weights",

@@ -12,7 +12,12 @@ from tiktoken import Encoding
 from torch import Tensor
 
 from gptmini.convert.gpt2 import config_to_hf, from_hf_state_dict, to_hf_state_dict
-from gptmini.convert.llama import config_to_llama, from_llama_state_dict, to_llama_state_dict
+from gptmini.convert.llama import (
+    config_to_llama,
+    from_llama_state_dict,
+    is_llama_architecture,
+    to_llama_state_dict,
+)
 from gptmini.model import GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
@@ -80,7 +85,7 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
         ValueError: the model uses grouped-query or sliding-window attention, or
             `tokenizer` does not have the model's number of ids.
     """
-    if model.cfg.position == "rope" and model.cfg.mlp == "swiglu":  # Llama's architecture
+    if is_llama_architecture(model.cfg):
         hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
     else:
         hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)

@@ -24,7 +24,7 @@ from gptmini.convert.weights import model_from_weights
 from gptmini.model import GPTConfig, GPTModel
 
 __all__ = ["TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
-           "interleaved_to_halves", "to_llama_state_dict"]
+           "interleaved_to_halves", "is_llama_architecture", "to_llama_state_dict"]
 
 TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
     ("tok_emb.weight", "model.embed_tokens.weight"),
@@ -50,6 +50,13 @@ as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
          "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None}
 """The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
+
+
+def is_llama_architecture(cfg: GPTConfig) -> bool:
+    """Whether `cfg` has Llama's position scheme and MLP, and so goes to and comes from
+    Hugging Face in Llama's layout (whose checks then name whatever else does not fit)
+    rather than GPT-2's."""
+    return all(getattr(cfg, field) == LLAMA[field] for field in ("position", "mlp"))
 
 
 def _expand(n_layers: int, qk_norm: bool = False) -> list[tuple[str, str]]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gptmini.attention.positions import SCHEMES
 from gptmini.generate.sampling import Detokenizer, SamplingParams, sample, sample_next_token
 from gptmini.tokenizer import encode_prompt
 
@@ -301,12 +302,14 @@ def _check_slide(model: nn.Module, slide: str, use_cache: bool) -> None:
         raise ValueError(f"slide must be 'recompute' or 'roll', got {slide!r}")
     if slide == "recompute":
         return
-    position = getattr(getattr(model, "cfg", None), "position", None)
-    if not use_cache or position not in ("rope", "alibi", "none"):
+    scheme = getattr(model, "position_scheme", None)  # a GPTModel's
+    if not use_cache or not getattr(scheme, "relative", False):
+        relative = " or ".join(name for name, kind in SCHEMES.items() if kind.relative)
+        position = getattr(getattr(model, "cfg", None), "position", None)
         raise ValueError(
             "slide='roll' keeps the cached keys of earlier positions, which is exact only "
             "with use_cache=True and positions that enter attention as distances (a GPTModel "
-            f"with position rope, alibi or none); this one has use_cache={use_cache}, "
+            f"with position {relative}); this one has use_cache={use_cache}, "
             f"position={position!r}: use slide='recompute'")
 
 

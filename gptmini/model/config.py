@@ -4,8 +4,8 @@ no biases, soft-capped scores) beside them."""
 
 from dataclasses import asdict, dataclass, replace
 
-from gptmini.attention.kernels import KERNELS
-from gptmini.attention.positions import POSITIONS
+from gptmini.attention import kernels
+from gptmini.attention.positions import SCHEMES, PositionScheme
 
 __all__ = ["GPT_CONFIG_124M", "GPTConfig", "MLPS", "NORMS", "PRESETS"]
 
@@ -51,15 +51,18 @@ class GPTConfig:
     """Share the token embedding with the output head (GPT-2 does; the book does not)."""
     attention_backend: str = "sdpa"
     """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
-    (FlexAttention, compiled; forward only on CPU) or tiled (flash attention from scratch)."""
+    (FlexAttention, compiled; forward only on CPU), tiled (flash attention from scratch), or
+    a kernel class of your own as 'package.module:ClassName' (imported when the model is
+    built)."""
     attn_drop_rate: float | None = None
     """Dropout on attention weights; None: drop_rate. flex and tiled train only with 0."""
     padded_vocab_size: int | None = None
     """Width of the embedding and output head, if wider than vocab_size (e.g. 50304, a multiple
     of 64, for faster matmuls); the ids past vocab_size are never predicted. None: vocab_size."""
     position: str = "learned"
-    """How positions enter: learned (the book's embedding), rope (rotary queries and keys),
-    alibi (per-head distance penalties on the scores) or none."""
+    """How positions enter, a name in gptmini.attention.positions.SCHEMES: learned (the
+    book's embedding), rope (rotary queries and keys), alibi (per-head distance penalties on
+    the scores) or none."""
     rope_theta: float = 10000.0
     """Rotary base: frequency i of a head is rope_theta ** (-2i / head_dim)."""
     norm: str = "layernorm"
@@ -81,66 +84,65 @@ class GPTConfig:
     None: no cap."""
 
     def __post_init__(self):
-        def need(ok: bool, field: str, fix: str):
-            if not ok:
-                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+        self._check_shape()
+        self._check_options()
 
+    def _need(self, ok: bool, field: str, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+
+    def _check_shape(self) -> None:
+        """The sizes: counts, heads that divide the width, rates, window, vocabulary."""
+        need = self._need
         for field in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             value = getattr(self, field)
             need(isinstance(value, int) and value >= 1, field, "use a positive integer")
-        need(
-            self.emb_dim % self.n_heads == 0,
-            "n_heads",
-            f"it must divide emb_dim={self.emb_dim}",
-        )
+        need(self.emb_dim % self.n_heads == 0, "n_heads", f"it must divide emb_dim={self.emb_dim}")
         need(0.0 <= self.drop_rate < 1.0, "drop_rate", "use a value in [0, 1)")
-        if self.n_kv_heads is not None:
-            need(
-                isinstance(self.n_kv_heads, int)
-                and self.n_kv_heads >= 1
-                and self.n_heads % self.n_kv_heads == 0,
-                "n_kv_heads",
-                f"use a divisor of n_heads={self.n_heads}, or None for one per query head",
-            )
-        if self.window_size is not None:
-            need(
-                isinstance(self.window_size, int) and self.window_size >= 1,
-                "window_size",
-                "use a positive integer, or None for full causal attention",
-            )
-        need(
-            self.attention_backend in KERNELS,
-            "attention_backend",
-            f"use one of {', '.join(KERNELS)}",
-        )
         if self.attn_drop_rate is not None:
             need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
                  "use a value in [0, 1), or None for drop_rate")
-        need(self.position in POSITIONS, "position", f"use one of {', '.join(POSITIONS)}")
+        if self.n_kv_heads is not None:
+            need(isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 1
+                 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+                 f"use a divisor of n_heads={self.n_heads}, or None for one per query head")
+        if self.window_size is not None:
+            need(isinstance(self.window_size, int) and self.window_size >= 1, "window_size",
+                 "use a positive integer, or None for full causal attention")
+        if self.mlp_hidden_dim is not None:
+            need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
+                 "mlp_hidden_dim", "use a positive integer, or None for the default")
+        if self.padded_vocab_size is not None:
+            need(isinstance(self.padded_vocab_size, int)
+                 and self.padded_vocab_size >= self.vocab_size, "padded_vocab_size",
+                 f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), "
+                 "or None for no padding")
+
+    def _check_options(self) -> None:
+        """The named choices: kernel, position scheme (which checks its own constraints),
+        norm, MLP, soft-cap."""
+        need = self._need
+        need(kernels.is_backend_name(self.attention_backend), "attention_backend",
+             f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
+             "'package.module:ClassName'")
+        need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
+        try:
+            self.position_scheme()
+        except ValueError as err:
+            raise ValueError(f"GPTConfig.position={self.position!r} does not fit this model: "
+                             f"{err}") from None
         need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
         need(isinstance(self.norm_eps, int | float) and self.norm_eps > 0, "norm_eps",
              "use a small positive number such as 1e-5")
         need(self.mlp in MLPS, "mlp", f"use one of {', '.join(MLPS)}")
-        if self.position == "rope":
-            need((self.emb_dim // self.n_heads) % 2 == 0, "n_heads",
-                 f"rotary embeddings need an even head size, and emb_dim={self.emb_dim} / "
-                 f"n_heads={self.n_heads} is odd")
-            need(isinstance(self.rope_theta, int | float) and self.rope_theta > 0,
-                 "rope_theta", "use a positive base such as 10000")
-        if self.mlp_hidden_dim is not None:
-            need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
-                 "mlp_hidden_dim", "use a positive integer, or None for the default")
         if self.attn_softcap is not None:
             need(isinstance(self.attn_softcap, int | float) and self.attn_softcap > 0,
                  "attn_softcap", "use a positive cap such as 50, or None for no cap")
-        if self.padded_vocab_size is not None:
-            need(
-                isinstance(self.padded_vocab_size, int)
-                and self.padded_vocab_size >= self.vocab_size,
-                "padded_vocab_size",
-                f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), or "
-                "None for no padding",
-            )
+
+    def position_scheme(self) -> PositionScheme:
+        """A new position scheme of this config (`SCHEMES[position]` for its shape);
+        `GPTModel` builds one and hands it to every layer."""
+        return SCHEMES[self.position].from_config(self)
 
     @property
     def hidden_dim(self) -> int:

@@ -16,8 +16,9 @@ def num_parameters(model: nn.Module, non_embedding: bool = False) -> int:
     """
     total = sum(p.numel() for p in model.parameters())
     if non_embedding and isinstance(model, GPTModel):
-        if model.cfg.position == "learned":
-            total -= model.pos_emb.weight.numel()
+        embedding = model.position_scheme.embedding  # None where positions are not embedded
+        if embedding is not None:
+            total -= sum(p.numel() for p in embedding.parameters())
         if not model.cfg.tie_weights:
             total -= model.tok_emb.weight.numel()
     return total

@@ -4,7 +4,10 @@ Token + position embeddings, dropout, `n_layers` pre-LayerNorm transformer block
 (attention and a 4x GELU feed-forward, each inside a residual), a final LayerNorm and a
 linear output head: the book's model, and the default. GPTConfig (gptmini.model.config) swaps in
 the modern parts: rotary or ALiBi positions instead of the embedding, RMSNorm, SwiGLU or
-ReLU², QK-norm, no biases. Imports only torch, so the model can be lifted into any loop.
+ReLU², QK-norm, no biases. The position scheme (gptmini.attention.positions) is built once
+from GPTConfig.position and shared: it makes the position embedding, and every layer's
+attention rotates or modifies scores with it. Imports only torch, so the model can be lifted
+into any loop.
 """
 
 import math
@@ -16,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
 from gptmini.attention.context import AttentionContext, Ragged
+from gptmini.attention.positions import PositionScheme
 from gptmini.model.config import GPTConfig
 
 __all__ = ["GPTModel", "TransformerBlock", "cross_entropy"]
@@ -70,9 +74,10 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x))."""
+    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `position_scheme` is
+    the model's, shared by every block (None: a new one of cfg's)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None):
         super().__init__()
         self.att = MultiHeadAttention(
             d_in=cfg.emb_dim,
@@ -84,10 +89,9 @@ class TransformerBlock(nn.Module):
             num_kv_heads=cfg.n_kv_heads,
             window_size=cfg.window_size,
             backend=cfg.attention_backend,
-            rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+            position_scheme=position_scheme or cfg.position_scheme(),
             qk_norm=cfg.qk_norm,
             out_bias=cfg.bias,
-            alibi=cfg.position == "alibi",
             softcap=cfg.attn_softcap,
         )
         self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
@@ -132,10 +136,14 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_width, cfg.emb_dim)
-        if cfg.position == "learned":  # the others need no embedding of positions
-            self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        self.position_scheme = cfg.position_scheme()  # one, shared by every layer
+        pos_emb = self.position_scheme.make_embedding()
+        if pos_emb is not None:  # held under the book's name, which its state dicts use
+            self.pos_emb = pos_emb
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, self.position_scheme)
+                                         for _ in range(cfg.n_layers)])
+        self.attention_settings = self.trf_blocks[0].att.settings  # what contexts are built with
         self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
         self.apply(self._init_weights)
@@ -157,6 +165,8 @@ class GPTModel(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    # Long by its docstring only (every argument of the model's one entry point); the body
+    # is the pass: its context, the embeddings, the blocks, the head.
     def forward(
         self,
         in_idx: Tensor,
@@ -210,31 +220,11 @@ class GPTModel(nn.Module):
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
             with `return_weights` the list of weights; or, with targets, the float32 loss.
         """
-        b, num_tokens = in_idx.shape
-        past = len(kv_caches[0]) if kv_caches else 0
-        packed = context is not None and context.ragged is not None  # its rows are checked
-        if past + num_tokens > self.cfg.context_length and not packed:
-            raise ValueError(
-                f"got {past + num_tokens} tokens but context_length is "
-                f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
-                f"tokens (idx[:, -{self.cfg.context_length}:])"
-            )
+        context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
-        if context is None:
-            context = self.new_context(b, num_tokens, past, attention_mask=attention_mask,
-                                       document_ids=document_ids,
-                                       uses_cache=kv_caches is not None, device=in_idx.device)
-        elif attention_mask is not None or document_ids is not None:
-            raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
-                             "not beside a context that already holds its masks")
-        x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
-        if self.cfg.position == "learned":
-            positions = context.positions  # (b, num_tokens)
-            if context.rows_alike:
-                positions = positions[:1]  # one lookup broadcast over the batch, as the book
-            x = x + self.pos_emb(positions)  # each token's embedding plus its position's
+        x = self.position_scheme.embed(self.tok_emb(in_idx), context)  # (b, num_tokens, emb)
         x = self.drop_emb(x)
 
         all_weights = []
@@ -254,6 +244,28 @@ class GPTModel(nn.Module):
         if targets is not None:
             return cross_entropy(logits, targets, reduction)
         return (logits, all_weights) if return_weights else logits
+
+    def _context(self, in_idx: Tensor, attention_mask: Tensor | None,
+                 document_ids: Tensor | None, kv_caches: list[BaseKVCache] | None,
+                 context: AttentionContext | None) -> AttentionContext:
+        """The pass's context: the caller's, or built here once for every layer."""
+        b, num_tokens = in_idx.shape
+        past = len(kv_caches[0]) if kv_caches else 0
+        packed = context is not None and context.ragged is not None  # its rows are checked
+        if past + num_tokens > self.cfg.context_length and not packed:
+            raise ValueError(
+                f"got {past + num_tokens} tokens but context_length is "
+                f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
+                f"tokens (idx[:, -{self.cfg.context_length}:])"
+            )
+        if context is None:
+            return self.new_context(b, num_tokens, past, attention_mask=attention_mask,
+                                    document_ids=document_ids,
+                                    uses_cache=kv_caches is not None, device=in_idx.device)
+        if attention_mask is not None or document_ids is not None:
+            raise ValueError("pass attention_mask and document_ids to AttentionContext.build, "
+                             "not beside a context that already holds its masks")
+        return context
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = self.out_head(self.final_norm(x))  # (..., vocab_width)
@@ -282,19 +294,17 @@ class GPTModel(nn.Module):
                     uses_cache: bool = False, positions: Tensor | None = None,
                     ragged: Ragged | None = None, device=None) -> AttentionContext:
         """The AttentionContext of one forward pass with this model's attention settings
-        (window, ALiBi, soft-cap); forward builds it, and so does the engine for a step."""
+        (window, position scheme, soft-cap); forward builds it, and so does the engine for
+        a step."""
         return AttentionContext.build(
-            batch, num_tokens, num_cached, causal=True, window_size=self.cfg.window_size,
+            batch, num_tokens, num_cached, settings=self.attention_settings,
             attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
-            alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
-            softcap=self.cfg.attn_softcap, positions=positions, ragged=ragged, device=device)
+            positions=positions, ragged=ragged, device=device)
 
     def new_ragged(self, num_new: list[int], num_cached: list[int], device=None) -> Ragged:
         """The layout of sequences packed in one row (an engine step), masked as this
         model's attention masks (see `gptmini.attention.context.Ragged`)."""
-        return Ragged(num_new, num_cached, causal=True, window_size=self.cfg.window_size,
-                      alibi_heads=self.cfg.n_heads if self.cfg.position == "alibi" else None,
-                      softcap=self.cfg.attn_softcap, device=device)
+        return Ragged(num_new, num_cached, self.attention_settings, device=device)
 
     def new_kv_caches(self) -> list[KVCache]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""

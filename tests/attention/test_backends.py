@@ -13,10 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gptmini.attention.kernels.flex as flex_kernel
 import gptmini.attention.multihead as attention
 from gptmini.attention import KVCache, MultiHeadAttention
-from gptmini.attention.context import AttentionContext
+from gptmini.attention.context import AttentionContext, AttentionSettings
 from gptmini.attention.kernels.tiled import tiled_attention
 from gptmini.model import GPTConfig, GPTModel
 
@@ -121,7 +120,8 @@ def test_skipping_tiles_changes_nothing_but_the_time(mask):
     options, pad, doc = MASKS[mask]
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 4, N, 8, requires_grad=True) for _ in range(3))
-    allowed = AttentionContext.build(B, N, window_size=options.get("window"),
+    settings = AttentionSettings(window_size=options.get("window"))
+    allowed = AttentionContext.build(B, N, settings=settings,
                                      attention_mask=None if pad is None else pad(),
                                      document_ids=None if doc is None else doc()).mask
     outs = [tiled_attention(q, k, v, allowed, tile=4, skip_tiles=skip) for skip in (True, False)]
@@ -181,9 +181,8 @@ COMPILED_SHAPES = ["causal", "document+window", "padding"]
 def test_compiled_flex_equals_explicit_and_new_documents_do_not_recompile(monkeypatch):
     """FlexAttention compiled, on three fixed shapes; a second batch of other document ids
     and paddings reuses the compiled kernel."""
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # as a fresh process: nothing compiled yet
     monkeypatch.setenv("GPTMINI_COMPILE_FLEX", "1")
-    flex_kernel._compiled_flex.cache_clear()
     compiles = []
     for mask in COMPILED_SHAPES:
         options, pad, doc = MASKS[mask]

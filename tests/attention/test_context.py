@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, masks
-from gptmini.attention.context import AttentionContext, Ragged, positions_in_documents
+from gptmini.attention.context import (
+    AttentionContext,
+    AttentionSettings,
+    Ragged,
+    positions_in_documents,
+)
+from gptmini.attention.positions import AlibiPositions
 from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
@@ -75,7 +81,8 @@ def test_positions_count_from_each_rows_first_real_token_and_each_documents_star
 def test_the_contexts_mask_is_the_loop_definition():
     """Causal, window and padding, evaluated densely, against a loop over positions."""
     real = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1] * 7])
-    context = AttentionContext.build(2, 3, 4, window_size=3, attention_mask=real)
+    context = AttentionContext.build(2, 3, 4, settings=AttentionSettings(window_size=3),
+                                     attention_mask=real)
     allowed = context.dense()[:, 0]  # (b, num_tokens, num_keys)
     for b in range(2):
         for i in range(3):
@@ -90,13 +97,21 @@ def test_a_context_built_for_another_layer_or_shape_is_refused():
     with pytest.raises(ValueError, match="built with causal=True, window_size=None.*"
                                          "window_size=4"):
         mha(x, context=AttentionContext.build(1, 5))
+    windowed = AttentionSettings(window_size=4)
     with pytest.raises(ValueError, match=r"built for \(batch, num_tokens, num_keys\) = "
                                          r"\(1, 6, 6\)"):
-        mha(x, context=AttentionContext.build(1, 6, window_size=4))
+        mha(x, context=AttentionContext.build(1, 6, settings=windowed))
     with pytest.raises(ValueError, match="not beside a context that holds them"):
-        mha(x, torch.ones(1, 5), context=AttentionContext.build(1, 5, window_size=4))
-    context = AttentionContext.build(1, 5, window_size=4)
+        mha(x, torch.ones(1, 5), context=AttentionContext.build(1, 5, settings=windowed))
+    context = AttentionContext.build(1, 5, settings=windowed)
     torch.testing.assert_close(mha(x, context=context), mha(x))
+    alibi = MultiHeadAttention(8, 8, 16, 0.0, 2, window_size=4, alibi=True)
+    with pytest.raises(ValueError, match="position_scheme=NoPositions.*"
+                                         r"position_scheme=AlibiPositions\(num_heads=2\)"):
+        alibi(x, context=context)  # its scores would miss ALiBi's penalties
+    same = AttentionSettings(window_size=4, position_scheme=AlibiPositions(num_heads=2))
+    torch.testing.assert_close(alibi(x, context=AttentionContext.build(1, 5, settings=same)),
+                               alibi(x))
 
 
 def test_both_caches_are_one_interface_and_hold_their_tokens_positions(tiny_config):

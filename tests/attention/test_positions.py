@@ -2,6 +2,7 @@
 complex-number rotation, ALiBi slopes against the paper, and every option through every
 backend, the KV cache, padding, documents and the engine."""
 
+import json
 import math
 from dataclasses import replace
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.attention.positions import alibi_slopes, apply_rope, rope_angles
+from gptmini.attention.positions import (
+    SCHEMES,
+    RotaryPositions,
+    alibi_slopes,
+    apply_rope,
+    rope_angles,
+)
 from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate, left_pad
 from gptmini.model import GPTConfig, GPTModel
@@ -246,3 +253,119 @@ def test_a_modern_model_is_not_exported_to_gpt2s_layout(tiny_config, tmp_path):
         export_hf(GPTModel(modern(tiny_config)), tmp_path / "qwen3")  # QK-norm: Qwen3's eps
     with pytest.raises(ValueError, match="Llama's layout.*this model has attn_softcap=30"):
         export_hf(GPTModel(modern(tiny_config, attn_softcap=30.0)), tmp_path / "llama")
+
+
+DECAY = '''"""A scheme of a test's: every head's scores fall by `slope` per position of distance."""
+
+from dataclasses import dataclass
+
+from gptmini.attention.positions.base import PositionScheme
+
+
+@dataclass(frozen=True)
+class DecayPositions(PositionScheme):
+    slope: float = 0.5
+
+    def score_mod(self, device):
+        def decay(score, b, h, q_idx, kv_idx):
+            return score + self.slope * (kv_idx - q_idx)
+
+        decay.additive = True
+        return decay
+'''
+
+TRAIN_AND_GENERATE = '''
+import json
+from dataclasses import replace
+
+import torch
+
+from gptmini.generate.loop import generate
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.model.flops import num_parameters
+
+cfg = GPTConfig(vocab_size=64, context_length=12, emb_dim=16, n_heads=2, n_layers=2,
+                drop_rate=0.0, position="decay")
+torch.manual_seed(0)
+model = GPTModel(cfg)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+idx = torch.randint(0, 64, (4, 13))
+losses = []
+for _ in range(20):
+    loss = model(idx[:, :-1], targets=idx[:, 1:])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+model.eval()
+plain = GPTModel(replace(cfg, position="none")).eval()
+plain.load_state_dict(model.state_dict())
+# relative, so generation may roll its cache past the context: the same tokens as a model
+# whose context holds them all, attending through a window of the first one's context
+oracle = GPTModel(replace(cfg, context_length=64, window_size=12)).eval()
+oracle.load_state_dict(model.state_dict())
+prompt = torch.tensor([[5, 9, 2]])
+try:
+    GPTConfig(position="sinusoidal")
+except ValueError as err:
+    named = str(err)
+print(json.dumps({
+    "losses": [losses[0], losses[-1]],
+    "applied": float((model(idx[:, :12]) - plain(idx[:, :12])).abs().max()),
+    "rolled": generate(model, prompt, 30, use_cache=True, slide="roll")[0].tolist(),
+    "window": generate(oracle, prompt, 30)[0].tolist(),
+    "embedding_parameters": num_parameters(model) - num_parameters(model, non_embedding=True),
+    "named": named,
+}))
+'''
+
+
+def test_a_new_position_scheme_is_one_file_and_its_name_in_the_table(package_copy):
+    """A relative scheme of a test's own, added as a contributor would: its file in
+    positions/ and one line in SCHEMES (and the import that line needs). Nothing else
+    changes, and GPTConfig, training, generation's rolling cache and the counts take it."""
+    package_copy.write("attention/positions/decay.py", DECAY)
+    package_copy.insert_after("attention/positions/__init__.py", "positions.base import",
+                              "from gptmini.attention.positions.decay import DecayPositions")
+    package_copy.insert_after("attention/positions/__init__.py", '"none": NoPositions,',
+                              '    "decay": DecayPositions,')
+    assert package_copy.changed() == ["attention/positions/__init__.py",
+                                      "attention/positions/decay.py"]
+    got = json.loads(package_copy.run(TRAIN_AND_GENERATE).splitlines()[-1])
+    first, last = got["losses"]
+    assert last < 0.8 * first  # it learns the batch
+    assert got["applied"] > 1e-3  # its scores are not the plain ones
+    assert got["rolled"] == got["window"]  # asked whether it is relative, and it is
+    assert got["embedding_parameters"] == 64 * 16  # the tokens' only: none of positions
+    assert "use one of learned, rope, alibi, none, decay" in got["named"]
+
+
+@pytest.mark.parametrize(("name", "relative", "embedded"), [
+    ("learned", False, True), ("rope", True, False), ("alibi", True, False),
+    ("none", True, False)])
+def test_each_scheme_says_whether_it_is_relative_and_embeds(tiny_config, name, relative,
+                                                            embedded):
+    model = GPTModel(replace(tiny_config, position=name))
+    scheme = model.position_scheme
+    assert isinstance(scheme, SCHEMES[name]) and scheme.relative is relative
+    assert (scheme.embedding is not None) is embedded is hasattr(model, "pos_emb")
+    # one object, shared by every layer and by the contexts the model builds
+    assert all(block.att.settings.position_scheme is scheme for block in model.trf_blocks)
+    assert model.new_context(1, 3).settings.position_scheme is scheme
+
+
+def test_a_module_takes_a_scheme_or_its_short_form_not_both():
+    x = torch.randn(2, 5, 8)
+    torch.manual_seed(0)
+    short = MultiHeadAttention(8, 8, 16, 0.0, 2, rope_theta=100.0)
+    torch.manual_seed(0)
+    scheme = MultiHeadAttention(8, 8, 16, 0.0, 2,
+                                position_scheme=RotaryPositions(head_dim=4, theta=100.0))
+    assert torch.equal(short(x), scheme(x))
+    with pytest.raises(ValueError, match="rope_theta and alibi each choose how positions "
+                                         "enter: pass one"):
+        MultiHeadAttention(8, 8, 16, 0.0, 2, rope_theta=100.0, alibi=True)
+    with pytest.raises(ValueError, match="head_dim=3 is odd"):
+        MultiHeadAttention(6, 6, 16, 0.0, 2, rope_theta=100.0)
+    with pytest.raises(ValueError, match="rope_theta must be a positive base"):
+        RotaryPositions(head_dim=4, theta=0.0)

@@ -1,6 +1,6 @@
-"""Attention kernels as a table: a name, and a class whose instances compute attention.
+"""Attention kernels: the built-in ones as a fixed table, and your own by class.
 
-A kernel is built once, when `MultiHeadAttention` is constructed with `backend=name`, and
+A kernel is built once, when `MultiHeadAttention` is constructed with `backend=...`, and
 then called as
 
     kernel(queries, keys, values, context, dropout_p) -> (b, num_heads, num_tokens, head_dim)
@@ -11,10 +11,21 @@ the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it
 whichever form it wants (`dense()`, `block_mask()`, `tile_plan(tile)`). A kernel with no
 attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
 
-Adding one is one file and one line: write the class, then `register("name", Class)` (or
-add it to `KERNELS` below); `MultiHeadAttention(..., backend="name")` and
-`--model.attention_backend name` then use it.
+A backend is named three ways, and which one a name means never depends on what was
+imported before:
+
+    "sdpa", "explicit", "flex", "tiled"   the built-ins: `KERNELS` below, read-only; a new
+                                          built-in is one file here and its name in KERNELS
+    a class                               your own: MultiHeadAttention(..., backend=MyKernel)
+    "package.module:ClassName"            your own, by import path, where only a string goes
+                                          (GPTConfig.attention_backend, --model.attention_backend,
+                                          a checkpoint): imported when the model is built
 """
+
+import importlib
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from gptmini.attention.kernels.explicit import ExplicitKernel, explicit_attention
 from gptmini.attention.kernels.flex import FlexKernel
@@ -22,27 +33,64 @@ from gptmini.attention.kernels.sdpa import SdpaKernel
 from gptmini.attention.kernels.tiled import TiledKernel
 
 __all__ = ["KERNELS", "ExplicitKernel", "FlexKernel", "SdpaKernel", "TiledKernel",
-           "explicit_attention", "make_kernel", "register"]
+           "backend_name", "explicit_attention", "is_backend_name", "make_kernel"]
 
-KERNELS: dict[str, type] = {
+KERNELS: Mapping[str, type] = MappingProxyType({
     "sdpa": SdpaKernel,
     "explicit": ExplicitKernel,
     "flex": FlexKernel,
     "tiled": TiledKernel,
-}
+})
+"""The built-in kernels by name (read-only: a kernel of your own is passed, not registered)."""
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_CHOICES = (f"one of {', '.join(KERNELS)}, a kernel class, or a kernel of your own by "
+            "import path as 'package.module:ClassName'")
 
 
-def register(name: str, kernel: type) -> None:
-    """Make `kernel` (a class built with no arguments) the backend called `name`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a kernel's name must be a non-empty string, got {name!r}")
-    if not callable(kernel):
-        raise ValueError(f"kernel {name!r} must be a class or factory, got {kernel!r}")
-    KERNELS[name] = kernel
+def is_backend_name(name: object) -> bool:
+    """A built-in's name or an import path 'package.module:ClassName' (not imported here:
+    whether a name is valid depends on the name alone)."""
+    return isinstance(name, str) and (name in KERNELS or _IMPORT_PATH.fullmatch(name) is not None)
 
 
-def make_kernel(name: str):
-    """A new instance of the kernel called `name`."""
-    if name not in KERNELS:
-        raise ValueError(f"backend must be one of {', '.join(KERNELS)}, got {name!r}")
-    return KERNELS[name]()
+def backend_name(backend: str | type) -> str:
+    """How `backend` is named in messages: a string as it is, a class by its import path."""
+    if isinstance(backend, str):
+        return backend
+    return f"{backend.__module__}:{backend.__qualname__}"
+
+
+def make_kernel(backend: str | type):
+    """A new instance of the kernel `backend` names (see the module docstring).
+
+    Raises:
+        ValueError: an unknown name, an import path that does not import, or something that
+            is not a class; the message names the input and the forms a backend takes.
+    """
+    if isinstance(backend, str):
+        if not is_backend_name(backend):
+            raise ValueError(f"backend must be {_CHOICES}, got {backend!r}")
+        kernel = KERNELS.get(backend) or _imported(backend)
+    else:
+        kernel = backend
+    if not isinstance(kernel, type):
+        raise ValueError(f"backend must be {_CHOICES}, got {backend!r}, which is not a class")
+    return kernel()
+
+
+def _imported(path: str) -> type:
+    module_name, _, qualname = path.partition(":")
+    try:
+        found = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"backend {path!r}: cannot import {module_name} ({err}); make it importable "
+            f"(install its package, or put its folder on PYTHONPATH), or use {_CHOICES}"
+        ) from None
+    for part in qualname.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"backend {path!r}: {module_name} has no {qualname}; name a "
+                             "class it defines, as 'package.module:ClassName'")
+        found = getattr(found, part)
+    return found
