@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.analysis.plots import attention_weights, plot_attention, require_matplotlib
 from gptmini.tokenizer import encode_prompt
+from gptmini.train.lightning_internals import rewind_batches, save_last_checkpoint
 from gptmini.train.module import GPTLitModule
 from gptmini.train.rng import rng_states, set_rng_states
 
@@ -68,9 +69,8 @@ class StepCheckpoint(ModelCheckpoint):
         """last.ckpt at the step the run ends on. Lightning's saves it only when no
         every_n_train_steps save ever happened: 50 steps with a save every 20 ended with
         last.ckpt at step 40, and steps 41-50 in no file."""
-        if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(
-                trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and trainer.global_step > 0:
+            save_last_checkpoint(self, trainer)
 
 
 def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
@@ -87,9 +87,8 @@ def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
 
 def stop_asked(trainer: Trainer) -> bool:
     """trainer.should_stop, unless min_steps or min_epochs keep the run going."""
-    loop = trainer.fit_loop
-    return trainer.should_stop and trainer.global_step >= (loop.min_steps or 0) and (
-        trainer.current_epoch >= (loop.min_epochs or 0))
+    return trainer.should_stop and trainer.global_step >= (trainer.min_steps or 0) and (
+        trainer.current_epoch >= (trainer.min_epochs or 0))
 
 
 class RunInterrupted(Exception):
@@ -190,12 +189,8 @@ class StopOnSignal(Callback):
             self._rng_at_step = rng_states()
 
     def _roll_back(self, trainer: Trainer, micro_batches: int) -> None:
-        # Inside an accumulation only these counters move (no optimizer, scheduler or
-        # validation step): the state is that of a save at the last step's batch end.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        for tracker in (progress.total, progress.current):
-            for field in ("ready", "started", "processed", "completed"):
-                setattr(tracker, field, getattr(tracker, field) - micro_batches)
+        # The loop, the data position and the random state as at the last step's batch end.
+        rewind_batches(trainer, micro_batches)
         rewind = getattr(trainer.datamodule, "rewind", None)
         if rewind is not None:
             rewind(micro_batches)
