@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.analysis.plots import attention_weights, plot_attention, require_matplotlib
 from gptmini.tokenizer import encode_prompt
-from gptmini.train.module import GPTLitModule, StepWatch
+from gptmini.train.lightning_internals import rewind_batches, save_last_checkpoint
+from gptmini.train.module import GPTLitModule
 from gptmini.train.rng import rng_states, set_rng_states
 
 
@@ -24,19 +25,16 @@ class EveryNSteps(Callback):
     """The one guard of callbacks that act every `every_n_steps` optimizer steps, on rank 0.
 
     `due` is true at the batch whose optimizer step just reached a multiple of
-    `every_n_steps` (see `StepWatch`): once per step, whatever the gradient accumulation.
+    `every_n_steps` (the module's `OptimizerSteps`): once per step, whatever the gradient
+    accumulation.
     """
 
     def __init__(self, every_n_steps: int):
         self.every_n_steps = every_n_steps
-        self._watch = StepWatch()
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
-        self._watch.start(trainer)
-
-    def due(self, trainer: Trainer) -> bool:
+    def due(self, trainer: Trainer, pl_module: GPTLitModule) -> bool:
         return (
-            self._watch.stepped(trainer)
+            pl_module.optimizer_steps.stepped(trainer)
             and self.every_n_steps > 0
             and trainer.global_step % self.every_n_steps == 0
             and trainer.is_global_zero
@@ -51,16 +49,8 @@ class StepCheckpoint(ModelCheckpoint):
     accumulation: a checkpoint one micro-batch ahead, whose gradient a kill then lost.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._watch = StepWatch()
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
-        super().on_train_start(trainer, pl_module)
-        self._watch.start(trainer)
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        if self._watch.stepped(trainer):
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
+        if pl_module.optimizer_steps.stepped(trainer):
             super().on_train_batch_end(trainer, pl_module, *args)
             if run_ends_after(trainer, args[-1]):
                 self._save_final(trainer)
@@ -79,9 +69,8 @@ class StepCheckpoint(ModelCheckpoint):
         """last.ckpt at the step the run ends on. Lightning's saves it only when no
         every_n_train_steps save ever happened: 50 steps with a save every 20 ended with
         last.ckpt at step 40, and steps 41-50 in no file."""
-        if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(
-                trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and trainer.global_step > 0:
+            save_last_checkpoint(self, trainer)
 
 
 def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
@@ -98,9 +87,8 @@ def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
 
 def stop_asked(trainer: Trainer) -> bool:
     """trainer.should_stop, unless min_steps or min_epochs keep the run going."""
-    loop = trainer.fit_loop
-    return trainer.should_stop and trainer.global_step >= (loop.min_steps or 0) and (
-        trainer.current_epoch >= (loop.min_epochs or 0))
+    return trainer.should_stop and trainer.global_step >= (trainer.min_steps or 0) and (
+        trainer.current_epoch >= (trainer.min_epochs or 0))
 
 
 class RunInterrupted(Exception):
@@ -157,14 +145,12 @@ class StopOnSignal(Callback):
     def __init__(self, path: str | Path, grace_seconds: float = 20.0):
         self.path = Path(path)
         self.grace_seconds = grace_seconds
-        self._watch = StepWatch()
         self._signum = 0
         self._deadline = math.inf
         self._previous: dict[int, Any] = {}
         self._rng_at_step: dict | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
-        self._watch.start(trainer)
         self._signum, self._deadline = 0, math.inf
         self._snapshot_rng(trainer)
         if threading.current_thread() is threading.main_thread():
@@ -178,15 +164,15 @@ class StopOnSignal(Callback):
         print(f"\nreceived {signal.Signals(signum).name}: finishing the optimizer step in "
               "progress, then saving a checkpoint (signal again to stop at once)", flush=True)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        stepped = self._watch.stepped(trainer)
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
+        stepped = pl_module.optimizer_steps.stepped(trainer)
         if stepped:
             self._snapshot_rng(trainer)
         signum, expired = self._agree(trainer, pl_module)
         if not signum or not (stepped or expired):
             return  # no signal, or the step in progress can still finish in time
         if not stepped:  # out of time mid-accumulation: back to the last completed step
-            self._roll_back(trainer, self._watch.since_step)
+            self._roll_back(trainer, pl_module.optimizer_steps.since_step(trainer))
         trainer.save_checkpoint(self.path, weights_only=False)  # None logs that it was unset
         raise RunInterrupted(signum, trainer.global_step, self.path)
 
@@ -203,12 +189,8 @@ class StopOnSignal(Callback):
             self._rng_at_step = rng_states()
 
     def _roll_back(self, trainer: Trainer, micro_batches: int) -> None:
-        # Inside an accumulation only these counters move (no optimizer, scheduler or
-        # validation step): the state is that of a save at the last step's batch end.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        for tracker in (progress.total, progress.current):
-            for field in ("ready", "started", "processed", "completed"):
-                setattr(tracker, field, getattr(tracker, field) - micro_batches)
+        # The loop, the data position and the random state as at the last step's batch end.
+        rewind_batches(trainer, micro_batches)
         rewind = getattr(trainer.datamodule, "rewind", None)
         if rewind is not None:
             rewind(micro_batches)
@@ -239,8 +221,8 @@ class SampleCallback(EveryNSteps):
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        if not self.due(trainer):
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
+        if not self.due(trainer, pl_module):
             return
         step = trainer.global_step
         text = sample_text(pl_module, self.prompt, self.max_new_tokens)
@@ -317,8 +299,8 @@ class AttentionMapCallback(EveryNSteps):
         if not -cfg.n_layers <= self.layer < cfg.n_layers:
             return self._disable(f"layer {self.layer} is out of range for {cfg.n_layers} layers")
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args):
-        if not self.due(trainer) or self._disabled:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
+        if self._disabled or not self.due(trainer, pl_module):
             return
         step = trainer.global_step
         path = self.draw(trainer, pl_module, step)

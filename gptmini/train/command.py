@@ -40,6 +40,7 @@ from gptmini.train.callbacks import (
     StopOnSignal,
     StoppedAtOnce,
 )
+from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
 from gptmini.train.module import GPTLitModule
 from gptmini.train.progress import progress_bar
@@ -217,9 +218,7 @@ def _saved(ckpt_path: str | None, run: Path) -> dict:
 
 def check_keys(parser, args: list[str]):
     """Unknown `--a.b` options: name the key and suggest the closest known one."""
-    known = set()
-    for action in parser._actions:  # jsonargparse keeps nested groups flattened here
-        known.update(opt for opt in action.option_strings if opt.startswith("--"))
+    known = option_strings(parser)
     for arg in args:
         key = arg.split("=", 1)[0]
         if not key.startswith("--") or key in known or key in ("--help", "-h"):

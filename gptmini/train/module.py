@@ -21,9 +21,44 @@ from gptmini.train.optim import (
     warmup_cosine,
 )
 from gptmini.train.rng import rng_states, set_rng_states
+from gptmini.train.steps import OptimizerSteps, SkippedSteps
 
 
 class GPTLitModule(L.LightningModule):
+    """A GPT and how it is optimized.
+
+    Args:
+        tokenizer: "gpt2" (offline), "byte", a saved tokenizer's path, or a tiktoken
+            encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
+            "bpe:N", fitted to the run's corpus and saved in the run directory. The
+            model's vocab_size is this tokenizer's number of ids.
+        init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
+            weights start a new run, for fine-tuning; the model settings must match
+            its config.json, except that a shorter context_length keeps the first
+            context_length position embeddings. Ignored when resuming a checkpoint.
+        learning_rate: Peak learning rate, reached after warmup (AdamW's).
+        optimizer: "adamw" for every weight, or "muon": torch.optim.Muon (torch >= 2.9)
+            for the blocks' matrices, AdamW for embeddings, head, norms and biases.
+        muon_learning_rate: Muon's peak rate, scaled per matrix by 0.2 * sqrt(max(rows,
+            cols)) to match AdamW's update size; same warmup and decay.
+        min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
+        warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
+        weight_decay: AdamW weight decay, on matrices and embeddings only.
+        beta1: AdamW beta1.
+        beta2: AdamW beta2.
+        compile: Compile the model with torch.compile.
+        peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
+            measures the CPU's matmul rate in the training dtype, once per process.
+        loss_chunk_size: Compute the head and the loss this many positions at a time,
+            recomputing them in backward: far less memory for the logits (4x less for
+            8 x 1024 positions of GPT-2's vocabulary) for some more time. None: at once.
+        **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
+            GPTConfig's defaults; the command line's defaults come from the default run
+            config. vocab_size is not one of them: it follows the tokenizer.
+    """
+
+    # The arguments are documented in the class docstring (as torch.nn modules do theirs),
+    # which --help shows for --model.*.
     def __init__(
         self,
         tokenizer: str = "gpt2",
@@ -41,37 +76,6 @@ class GPTLitModule(L.LightningModule):
         loss_chunk_size: int | None = None,
         **model,
     ):
-        """A GPT and how it is optimized.
-
-        Args:
-            tokenizer: "gpt2" (offline), "byte", a saved tokenizer's path, or a tiktoken
-                encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
-                "bpe:N", fitted to the run's corpus and saved in the run directory. The
-                model's vocab_size is this tokenizer's number of ids.
-            init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
-                weights start a new run, for fine-tuning; the model settings must match
-                its config.json, except that a shorter context_length keeps the first
-                context_length position embeddings. Ignored when resuming a checkpoint.
-            learning_rate: Peak learning rate, reached after warmup (AdamW's).
-            optimizer: "adamw" for every weight, or "muon": torch.optim.Muon (torch >= 2.9)
-                for the blocks' matrices, AdamW for embeddings, head, norms and biases.
-            muon_learning_rate: Muon's peak rate, scaled per matrix by 0.2 * sqrt(max(rows,
-                cols)) to match AdamW's update size; same warmup and decay.
-            min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
-            warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
-            weight_decay: AdamW weight decay, on matrices and embeddings only.
-            beta1: AdamW beta1.
-            beta2: AdamW beta2.
-            compile: Compile the model with torch.compile.
-            peak_flops: Peak FLOP/s of one device, for MFU; None looks up the GPU or
-                measures the CPU's matmul rate in the training dtype, once per process.
-            loss_chunk_size: Compute the head and the loss this many positions at a time,
-                recomputing them in backward: far less memory for the logits (4x less for
-                8 x 1024 positions of GPT-2's vocabulary) for some more time. None: at once.
-            **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
-                GPTConfig's defaults; the command line's defaults come from the default run
-                config. vocab_size is not one of them: it follows the tokenizer.
-        """
         super().__init__()
         self.save_hyperparameters()
         _check_range("learning_rate", learning_rate, 1e-12, math.inf)
@@ -84,10 +88,12 @@ class GPTLitModule(L.LightningModule):
         """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
         self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
         self.model = GPTModel(self.cfg)
+        self.optimizer_steps = OptimizerSteps()
+        """Whether the optimizer stepped at the batch now ending: every hook reads this one."""
+        self.skipped_steps = SkippedSteps()
+        """Non-finite steps skipped on the device, raised at the next check."""
         self._flops_per_token = flops_per_token(self.cfg)
-        self._watch = StepWatch()
         self._window_start, self._window_tokens = 0.0, 0
-        self._bad_steps = self._first_bad_step = None  # tensors on the device, at train start
         self._peak_flops = peak_flops
         self._rng_to_restore: dict | None = None
         self._token_bytes: Tensor | None = None  # bytes of text per id, for val/bpb
@@ -216,32 +222,12 @@ class GPTLitModule(L.LightningModule):
             optimizer.found_inf = bad.float()
         elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
             optimizer.zero_grad(set_to_none=True)
-        self._bad_steps += bad
-        self._first_bad_step = torch.where(
-            bad & (self._first_bad_step < 0), self.global_step, self._first_bad_step
-        )
-
-    def _reset_skip_counters(self) -> None:
-        self._bad_steps = torch.zeros((), dtype=torch.long, device=self.device)
-        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
-
-    def _raise_if_steps_were_skipped(self) -> None:
-        """The one wait on the device per logging interval (and per checkpoint)."""
-        skipped = int(self._bad_steps)
-        if skipped:
-            first = int(self._first_bad_step)
-            raise FloatingPointError(
-                f"the loss or gradient was not finite at step {first} ({skipped} step(s) up "
-                f"to step {self.global_step}); those steps were skipped, so the weights are "
-                "as before them, and the run stops here with the last checkpoint intact. "
-                "Lower --model.learning_rate, raise --model.warmup_steps or set "
-                "--trainer.gradient_clip_val, then resume with --ckpt_path last"
-            )
+        self.skipped_steps.record(bad, self.global_step)
 
     def on_train_start(self):
         self._restore_rng_states()
-        self._reset_skip_counters()
-        self._watch.start(self.trainer)
+        self.skipped_steps.reset()
+        self.optimizer_steps.start(self.trainer)
         self._window_start, self._window_tokens = time.perf_counter(), 0
         if self.trainer.is_global_zero:
             peak = f"{self._peak_flops / 1e12:.3g} TFLOP/s" if self._peak_flops else "unknown"
@@ -249,13 +235,16 @@ class GPTLitModule(L.LightningModule):
                   f"12*L*T*d, N = matmul weights with the head) / peak ({peak} for "
                   f"{self._dtype_name()} on {self.device.type})", flush=True)
 
+    def on_train_batch_start(self, batch, batch_idx: int):
+        self.optimizer_steps.batch_started(self.trainer)
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int):
         self._window_tokens += batch[0].numel()
-        if not self._watch.stepped(self.trainer):
+        if not self.optimizer_steps.stepped(self.trainer):
             return  # inside a gradient accumulation
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return  # Lightning writes the logs at these same steps
-        self._raise_if_steps_were_skipped()
+        self.skipped_steps.raise_if_any(self.global_step)
         # Throughput over the logging interval (data wait, forward, backward, optimizer).
         now = time.perf_counter()
         tokens_per_sec = self._window_tokens * self.trainer.world_size / (now - self._window_start)
@@ -276,7 +265,7 @@ class GPTLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict):
         # Never a checkpoint of a run that went non-finite, nor one with NaN weights.
-        self._raise_if_steps_were_skipped()
+        self.skipped_steps.raise_if_any(self.global_step)
         if not all(bool(torch.isfinite(p).all()) for p in self.parameters()):
             raise FloatingPointError(
                 f"the weights hold NaN or infinite values at step {self.global_step}, so no "
@@ -363,32 +352,6 @@ class GPTLitModule(L.LightningModule):
 
     def _warmup_steps(self) -> int:
         return min(self.hparams.warmup_steps, self._total_steps())
-
-
-class StepWatch:
-    """Tells, at each `on_train_batch_end`, whether the optimizer step just happened.
-
-    `on_train_batch_end` runs after every micro-batch, and with gradient accumulation several
-    micro-batches share one `global_step`. `stepped` is true only at the batch whose optimizer
-    step just moved `global_step`: never for micro-batches before the first step or between
-    steps, and never for the step a resumed run starts from (`start` at `on_train_start`,
-    after the restore). Call `stepped` once per batch.
-    """
-
-    def __init__(self):
-        self.seen: int | None = None
-        self.since_step = 0
-        """Micro-batches done since the last optimizer step (0 right after one)."""
-
-    def start(self, trainer) -> None:
-        self.seen, self.since_step = trainer.global_step, 0
-
-    def stepped(self, trainer) -> bool:
-        step, seen = trainer.global_step, self.seen
-        self.seen = step
-        moved = step != seen and step > 0
-        self.since_step = 0 if moved else self.since_step + 1
-        return moved
 
 
 def _check_range(name: str, value: float, low: float, high: float):

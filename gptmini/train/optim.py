@@ -37,7 +37,7 @@ def adamw(params: Iterable[nn.Parameter], *, learning_rate: float, weight_decay:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     # Fused: one kernel for all tensors, and it can skip a non-finite step on the device
-    # (GPTLitModule._skip_if_not_finite). CUDA and CPU have it.
+    # (see GPTLitModule.configure_gradient_clipping). CUDA and CPU have it.
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
                              fused=device.type in ("cuda", "cpu"))
 

@@ -9,6 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from gptmini.train.module import GPTLitModule
+
 __all__ = ["ProgressBar", "progress_bar"]
 
 
@@ -29,7 +31,6 @@ class ProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1):
         super().__init__(refresh_rate=refresh_rate)
         self._shown: dict[str, str] = {}
-        self._steps_shown = 0
 
     def on_train_start(self, trainer: Trainer, *_: Any) -> None:
         total = trainer.estimated_stepping_batches  # optimizer steps: max_steps when set
@@ -39,19 +40,19 @@ class ProgressBar(TQDMProgressBar):
             initial=trainer.global_step, position=2 * self.process_position,
             disable=self.is_disabled, leave=True, dynamic_ncols=True, file=sys.stdout,
             smoothing=0, bar_format=self.BAR_FORMAT)
-        self._steps_shown = trainer.global_step
 
     def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
         pass  # one bar for the whole run, whatever the epoch
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *_: Any) -> None:
         bar, step = self.train_progress_bar, trainer.global_step
         every = max(1, self.refresh_rate // max(1, trainer.accumulate_grad_batches))
-        if step != self._steps_shown and (step % every == 0 or step == bar.total):
-            self._steps_shown = step
-            if not bar.disable:
-                bar.n = step
-                bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+        # Once per optimizer step (the module's OptimizerSteps), at the refresh interval.
+        stepped = pl_module.optimizer_steps.stepped(trainer)
+        due = stepped and (step % every == 0 or step == bar.total)
+        if due and not bar.disable:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
         metrics = super().get_metrics(trainer, pl_module)

@@ -15,7 +15,8 @@ from gptmini.analysis.plots import PLOT_INSTALL_HINT, attention_weights, plot_at
 from gptmini.analysis.visualize import visualize_main
 from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
-from gptmini.train.callbacks import AttentionMapCallback
+from gptmini.train.callbacks import AttentionMapCallback, EveryNSteps
+from gptmini.train.steps import OptimizerSteps
 
 
 @pytest.fixture
@@ -63,8 +64,17 @@ def fake_trainer(tmp_path: Path, model: GPTModel, loggers=()):
     trainer = SimpleNamespace(global_step=0, is_global_zero=True, loggers=list(loggers),
                               log_dir=None, default_root_dir=str(tmp_path))
     module = SimpleNamespace(model=model, hparams=SimpleNamespace(tokenizer="gpt2"),
-                             tokenizer=get_tokenizer("gpt2"), device=torch.device("cpu"))
+                             tokenizer=get_tokenizer("gpt2"), device=torch.device("cpu"),
+                             optimizer_steps=OptimizerSteps())
+    module.optimizer_steps.start(trainer)
     return trainer, module
+
+
+def micro_batch(trainer, module, step_after: int) -> None:
+    """One training batch as Lightning runs it, up to its on_train_batch_end: the batch
+    starts, then its optimizer step (if any) moves global_step to `step_after`."""
+    module.optimizer_steps.batch_started(trainer)
+    trainer.global_step = step_after
 
 
 def test_callback_logs_to_wandb_every_n_steps_without_touching_the_run(model, tmp_path):
@@ -74,7 +84,7 @@ def test_callback_logs_to_wandb_every_n_steps_without_touching_the_run(model, tm
     callback.on_fit_start(trainer, module)
     rng = torch.get_rng_state()
     for step in [0, 1, 2, 2, 3, 4]:  # 0 and 2 twice: gradient accumulation's micro-batches
-        trainer.global_step = step
+        micro_batch(trainer, module, step)
         callback.on_train_batch_end(trainer, module, None, None, 0)
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training
@@ -91,7 +101,7 @@ def test_callback_warns_and_stays_off_for_a_prompt_longer_than_the_context(model
     callback = AttentionMapCallback(every_n_steps=1, prompt="to be or not " * 20)
     with pytest.warns(UserWarning, match="longer than context_length 32"):
         callback.on_fit_start(trainer, module)
-    trainer.global_step = 1
+    micro_batch(trainer, module, 1)
     callback.on_train_batch_end(trainer, module, None, None, 0)
     assert not (tmp_path / "attention").exists()
 
@@ -162,21 +172,26 @@ def test_samples_come_once_per_optimizer_step_under_gradient_accumulation(tmp_pa
     assert [line.split("]")[0] for line in printed] == ["[step 2", "[step 4"]
 
 
-def test_one_step_guard_fires_once_per_step_and_not_for_a_resumed_step():
-    from gptmini.train.callbacks import EveryNSteps
-
+def test_the_step_signal_is_once_per_step_the_same_to_every_reader_and_not_for_a_resume():
     guard = EveryNSteps(every_n_steps=2)
     trainer = SimpleNamespace(global_step=10, is_global_zero=True)
-    guard.on_train_start(trainer, None)  # resumed at step 10, already acted on before
-    fired = []
-    for step in [10, 10, 10, 11, 11, 11, 11, 12, 12, 12, 12, 13]:  # 4 micro-batches a step
-        trainer.global_step = step
-        if guard.due(trainer):
-            fired.append(step)
-    assert fired == [12]
+    module = SimpleNamespace(optimizer_steps=OptimizerSteps())
+    module.optimizer_steps.start(trainer)  # resumed at step 10, already acted on before
+    ends = [10, 10, 10, 11, 11, 11, 11, 12, 12, 12, 12, 13]  # 4 micro-batches a step
+    stepped, fired, since = [], [], []
+    for step in ends:
+        micro_batch(trainer, module, step)
+        readings = {module.optimizer_steps.stepped(trainer) for _ in range(3)}  # 3 hooks
+        assert len(readings) == 1
+        stepped.append(readings.pop())
+        fired.append(guard.due(trainer, module))
+        since.append(module.optimizer_steps.since_step(trainer))
+    assert [step for step, moved in zip(ends, stepped, strict=True) if moved] == [11, 12, 13]
+    assert [step for step, due in zip(ends, fired, strict=True) if due] == [12]
+    assert since == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0]  # what a signal mid-step rewinds
     trainer.is_global_zero = False
-    trainer.global_step = 14
-    assert not guard.due(trainer)
+    micro_batch(trainer, module, 14)
+    assert module.optimizer_steps.stepped(trainer) and not guard.due(trainer, module)  # rank 0 only
 
 
 def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path, corpus,

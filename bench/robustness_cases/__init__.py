@@ -1,0 +1,5 @@
+"""The cases of bench/robustness.py, by what they try to break: train.py's inputs
+(`train`), a run's checkpoints through resumes, signals and kills (`runs`), generate.py
+(`generate`), serve.py and its HTTP API (`serve`), and the conformance kit (`kit`). Each
+module's CASES maps a case's name to a function of the shared `lab.Lab` that returns
+(outcome, detail)."""
