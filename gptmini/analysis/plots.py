@@ -1,4 +1,4 @@
-"""Pictures of what a model does: attention heatmaps and training curves.
+"""Pictures of what a model attends to: attention heatmaps (a run's curves: curves.py).
 
 The attention weights come from `GPTModel.forward(..., return_weights=True)`, which runs the
 attention module's explicit path: they are the weights the output was computed from, with
@@ -8,8 +8,6 @@ and columns of left padding all in place.
     attention_weights   prompt -> (n_heads, num_tokens, num_tokens) weights of one layer
     attention_figure    those weights as a heatmap of one head or a grid of all heads
     plot_attention      the same, written to a PNG
-    load_metrics        a run's CSV metrics, merged over the logger's version folders
-    plot_curves         train/val loss and learning rate against steps, written to a PNG
 
 matplotlib is a dependency, imported only when a picture is drawn (an install without it
 still trains: `pip install matplotlib` to draw). Figures are built with the
@@ -17,9 +15,7 @@ object-oriented API and the Agg canvas, never pyplot, so plotting neither opens 
 changes the backend of a notebook that imports this module.
 """
 
-import csv
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +35,8 @@ __all__ = [
     "attention_weights",
     "check_index",
     "require_matplotlib",
-    "load_metrics",
+    "save_png",
     "plot_attention",
-    "plot_curves",
     "token_labels",
 ]
 
@@ -268,151 +263,13 @@ def plot_attention(
     fig = attention_figure(
         weights, labels, layer=layer, head=head, title=title, figsize=figsize, dpi=dpi
     )
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
-def _save(fig: "Figure", out: str | Path) -> Path:
+def save_png(fig: "Figure", out: str | Path) -> Path:
+    """Write `fig` to `out` as a PNG of exactly figsize x dpi pixels; the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # No bbox_inches="tight": the image stays exactly figsize * dpi pixels.
     fig.savefig(out, format="png")
     return out
-
-
-# --- training curves -------------------------------------------------------------------
-
-
-def _metric_files(run_dir: Path) -> list[Path]:
-    if run_dir.is_file():
-        return [run_dir]
-    for folder in (run_dir / "logs", run_dir):
-        versions = [p for p in folder.glob("version_*/metrics.csv") if p.is_file()]
-        if versions:
-            return sorted(versions, key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0))
-    if (run_dir / "metrics.csv").is_file():
-        return [run_dir / "metrics.csv"]
-    raise FileNotFoundError(
-        f"no metrics under {run_dir}: expected {run_dir}/logs/version_N/metrics.csv, which "
-        "train.py's CSV logger writes"
-    )
-
-
-def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[float]]], list[int]]:
-    """Every metric a run logged, as (steps, values) in step order.
-
-    Each invocation of train.py (a resume too) writes its own `logs/version_N/metrics.csv`.
-    A later version replaces whatever earlier ones logged from its first step on: those
-    steps were run again after the resume, and the first attempt is not the run's history.
-
-    Args:
-        run_dir: the run directory (holding `logs/`), its `logs/` folder, or one
-            `metrics.csv`.
-
-    Returns:
-        The metrics by column name (`train/loss`, `val/loss`, `train/lr`, ...), and the
-        steps at which a version after the first began (where the run was resumed).
-    """
-    merged: dict[str, dict[int, float]] = {}
-    resumes = []
-    for i, path in enumerate(_metric_files(Path(run_dir))):
-        rows = []
-        with open(path, newline="") as file:
-            for row in csv.DictReader(file):
-                if (row.get("step") or "").strip():
-                    rows.append(row)
-        if not rows:
-            continue
-        first = min(int(float(row["step"])) for row in rows)
-        if i > 0 and merged:
-            resumes.append(first)
-        for values in merged.values():
-            for step in [s for s in values if s >= first]:
-                del values[step]
-        for row in rows:
-            step = int(float(row["step"]))
-            for name, cell in row.items():
-                if name in ("step", "epoch") or name is None or not (cell or "").strip():
-                    continue
-                merged.setdefault(name, {})[step] = float(cell)
-    metrics = {
-        name: (sorted(v), [v[s] for s in sorted(v)]) for name, v in merged.items() if v
-    }
-    return metrics, resumes
-
-
-def plot_curves(
-    run_dir: str | Path,
-    out: str | Path = "curves.png",
-    *,
-    figsize: tuple[float, float] = (8.0, 8.0),
-    dpi: int = 100,
-) -> Path:
-    """Train and validation loss (top), validation bits per byte (middle) and learning rate
-    (bottom) against optimizer steps.
-
-    Args:
-        run_dir: see `load_metrics`.
-        out: the PNG to write (parents created).
-        figsize: figure size in inches; the PNG is figsize * dpi pixels.
-        dpi: dots per inch.
-
-    Returns:
-        The path written.
-
-    Raises:
-        FileNotFoundError: no metrics.csv under `run_dir`.
-        ValueError: the metrics hold no loss to plot.
-        ImportError: matplotlib is not installed.
-    """
-    require_matplotlib()
-    from matplotlib.figure import Figure
-
-    metrics, resumes = load_metrics(run_dir)
-    if "train/loss" not in metrics and "val/loss" not in metrics:
-        raise ValueError(
-            f"the metrics of {run_dir} hold no train/loss or val/loss yet (columns: "
-            f"{', '.join(sorted(metrics)) or 'none'}); train for at least log_every_n_steps"
-        )
-    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
-    loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
-    _plot_losses(loss_ax, metrics)
-    # bits per byte compares runs whatever their tokenizers
-    _plot_or_say(bpb_ax, metrics, "val/bpb", "o-", color="tab:orange", ms=3.5, lw=1.5)
-    bpb_ax.set_ylabel("val bits per byte")
-    if _plot_or_say(lr_ax, metrics, "train/lr", color="tab:green", lw=1.2):
-        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    lr_ax.set_ylabel("learning rate")
-    lr_ax.set_xlabel("step")
-    for ax in (loss_ax, bpb_ax, lr_ax):
-        ax.grid(alpha=0.3)
-        for step in resumes:
-            ax.axvline(step, color="gray", ls=":", lw=1)
-    if resumes:
-        loss_ax.plot([], [], color="gray", ls=":", lw=1, label="resumed")
-        loss_ax.legend()
-    name = Path(run_dir).resolve()
-    fig.suptitle(f"Training curves: {name.parent.name if name.is_file() else name.name}")
-    return _save(fig, out)
-
-
-def _plot_losses(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
-    """Train and validation loss, the best validation loss named in the panel's title."""
-    if "train/loss" in metrics:
-        ax.plot(*metrics["train/loss"], lw=1.0, alpha=0.8, label="train loss")
-    if "val/loss" in metrics:
-        steps, values = metrics["val/loss"]
-        ax.plot(steps, values, "o-", ms=3.5, lw=1.5, label="val loss")
-        best = min(range(len(values)), key=values.__getitem__)
-        ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.legend()
-
-
-def _plot_or_say(ax, metrics: dict[str, tuple[list[int], list[float]]], name: str, *style,
-                 **line) -> bool:
-    """Plot metric `name` on `ax`, or say in the panel that it was not logged; whether it was."""
-    if name in metrics:
-        ax.plot(*metrics[name], *style, **line)
-        return True
-    ax.text(0.5, 0.5, f"no {name} logged", ha="center", va="center", transform=ax.transAxes)
-    return False

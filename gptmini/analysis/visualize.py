@@ -10,11 +10,11 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.analysis.curves import plot_curves
 from gptmini.analysis.plots import (
     attention_weights,
     check_index,
     plot_attention,
-    plot_curves,
     require_matplotlib,
 )
 from gptmini.checkpoint import load_checkpoint

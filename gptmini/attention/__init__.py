@@ -1,6 +1,7 @@
 """Attention: the book's `MultiHeadAttention` (Listing 3.5) and everything it attends with.
 
-    multihead.py  the module: projections, the KV-cache interface, the call into a kernel
+    multihead.py  the module: projections, the call into a kernel
+    kv_cache.py   the KV-cache interface and the contiguous KVCache
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
                   with the layers' `AttentionSettings`
     masks.py      the mask algebra (True = may attend) and score modifiers (ALiBi, soft-cap)
@@ -12,7 +13,8 @@ Imports only torch.
 """
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
-from gptmini.attention.multihead import BaseKVCache, KVCache, MultiHeadAttention
+from gptmini.attention.kv_cache import BaseKVCache, KVCache
+from gptmini.attention.multihead import MultiHeadAttention
 
 __all__ = ["AttentionContext", "AttentionSettings", "BaseKVCache", "KVCache",
            "MultiHeadAttention", "Ragged"]

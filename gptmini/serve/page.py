@@ -25,9 +25,9 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
+from gptmini.analysis.curves import load_metrics
 from gptmini.analysis.heads import head_roles
 from gptmini.analysis.inspection import ENCODINGS, inspect_text, pack
-from gptmini.analysis.plots import load_metrics
 from gptmini.checkpoint import training_steps
 from gptmini.generate.sampling import MAX_LOGPROBS, json_type
 from gptmini.model.flops import num_parameters

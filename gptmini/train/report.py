@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from gptmini.analysis.plots import load_metrics, plot_curves
+from gptmini.analysis.curves import load_metrics, plot_curves
 
 
 class RunReport(Callback):

@@ -4,13 +4,12 @@ import pytest
 import torch
 from helpers import PROMPT, png_size, tiny
 
+from gptmini.analysis.curves import load_metrics, plot_curves
 from gptmini.analysis.plots import (
     PAD_LABEL,
     attention_figure,
     attention_weights,
-    load_metrics,
     plot_attention,
-    plot_curves,
 )
 from gptmini.model import GPTModel
 from gptmini.tokenizer import get_tokenizer
