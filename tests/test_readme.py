@@ -36,8 +36,16 @@ SKIPPED = {
     "--trainer.fast_dev_run": "fits and tokenizes the default run's corpus (slow here)",
     "--attention_every": "trains the default run (minutes)",
     "serve.py": "started by this test on a free port",
+    "--run_name shakespeare-more": "fine-tunes the default run (minutes)",
+    "configs/lora-shakespeare.yaml": "LoRA on the default run's checkpoint (minutes)",
+    "configs/classify-genres.yaml": "classification from the default run's checkpoint (minutes)",
+    "runs/lora-shakespeare": "needs the LoRA run above",
+    "runs/classify-genres": "needs the classification run above",
+    "sms_spam": "needs the network (the UCI download) and GPT-2's weights",
 }
-PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download"}
+PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download",
+                  "runs/lora-shakespeare": "needs the LoRA run",
+                  "sms_spam": "needs the network (the UCI download)"}
 
 
 def text(page: str) -> str:

@@ -1,9 +1,10 @@
-"""Scoring a checkpoint: loss, perplexity and bits per byte on a whole text, and accuracy on
-multiple-choice tasks in HellaSwag's layout.
+"""Scoring a checkpoint: loss, perplexity and bits per byte on a whole text, accuracy on
+multiple-choice tasks in HellaSwag's layout, and a classifier's accuracy and confusion table.
 
     python evaluate.py --checkpoint runs/shakespeare-cpu/checkpoints/best.ckpt
     python evaluate.py --checkpoint ... --data notes.txt
     python evaluate.py --checkpoint ... --choices hellaswag_val.jsonl     # or Rowan/hellaswag
+    python evaluate.py --checkpoint runs/classify-genres/checkpoints/best.ckpt  # a classifier
 
 Text is cut into windows of `context_length` that do not overlap, the last one shorter, so
 every token after the first is predicted exactly once, from the tokens of its window before
@@ -34,7 +35,9 @@ from torch import nn
 
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
+from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
+from gptmini.finetune import accuracy_and_confusion, class_logits
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -211,6 +214,57 @@ def text_tokens(path: str, tokenizer: Encoding, hparams: dict, *, text_field: st
         return np.asarray(cache.load("train")), spec.description
 
 
+@dataclass(frozen=True)
+class ClassScore:
+    accuracy: float
+    confusion: list[list[int]]
+    """confusion[i][j]: examples of true class i predicted as j."""
+    classes: list[str]
+
+    def table(self) -> str:
+        """The confusion table as text: a row per true class, a column per predicted one."""
+        width = max(8, *(len(c) + 2 for c in self.classes))
+        lines = ["true \\ predicted".ljust(width) + "".join(c.rjust(width) for c in self.classes)]
+        for name, row in zip(self.classes, self.confusion, strict=True):
+            lines.append(name.ljust(width) + "".join(str(n).rjust(width) for n in row))
+        return "\n".join(lines)
+
+
+@torch.inference_mode()
+def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords,
+                  classes: list[str], *, batch_size: int = 8) -> ClassScore:
+    """A classifier's accuracy and confusion table on labelled records, each read as in
+    training: its first context_length tokens, right-padded, the class at its last token."""
+    data = LabeledDataset(records, tokenizer, classes, model.cfg.context_length,
+                          "the evaluated records")
+    device = next(model.parameters()).device
+    predicted, labels = [], []
+    for start in range(0, len(data), batch_size):
+        ids, mask, label = pad_batch([data[i] for i in range(start, min(start + batch_size,
+                                                                         len(data)))],
+                                     tokenizer.eot_token)
+        predicted.append(class_logits(model, ids.to(device), mask.to(device)).argmax(-1).cpu())
+        labels.append(label)
+    accuracy, confusion = accuracy_and_confusion(torch.cat(predicted), torch.cat(labels),
+                                                 len(classes))
+    return ClassScore(accuracy, confusion.tolist(), list(classes))
+
+
+def labelled_records(path: str | None, hparams: dict, text_field: str,
+                     label_field: str | None) -> tuple[LabeledRecords, str]:
+    """The records to classify: `path`'s (a .jsonl/.json/.csv/.tsv), or the run's own
+    validation split (a held-out task's test split)."""
+    if path is not None:
+        field = label_field or hparams.get("label_field")
+        if not field:
+            raise ValueError(f"--data {path}: name the field holding the labels, --label_field")
+        return read_records(path, text_field, field), path
+    saved = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    data = GPTDataModule(*from_record({**saved, "num_workers": 0}))
+    name = data.labels.task or data.corpus.val_source or data.corpus.source
+    return data.labelled_splits()[1], f"the run's validation split of {name}"
+
+
 def evaluate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate.py",
@@ -222,6 +276,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         help="a text file, folder, glob or hub dataset to score (default: the "
                              "run's validation split)")
     parser.add_argument("--text_field", default="text", help="the text of json/hub records")
+    parser.add_argument("--label_field", default=None,
+                        help="a classifier's labels in --data records (default: the run's)")
     parser.add_argument("--choices", default=None,
                         help="a .jsonl of HellaSwag-style records (ctx, endings, label) or a "
                              "hub dataset such as Rowan/hellaswag")
@@ -237,7 +293,15 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
             raise ValueError("--batch_size and --limit must be 1 or more")
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, torch.device(args.device))
+        model, tokenizer, saved = load_checkpoint(args.checkpoint, torch.device(args.device))
+        if saved.get("classes"):
+            records, name = labelled_records(args.data, run_data_settings(args.checkpoint),
+                                             args.text_field, args.label_field)
+            scored = score_classes(model, tokenizer, records, saved["classes"],
+                                   batch_size=args.batch_size)
+            print(f"{name}: {len(records):,} examples\naccuracy {scored.accuracy:.4f}\n"
+                  f"{scored.table()}")
+            return 0
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))

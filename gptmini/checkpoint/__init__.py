@@ -9,6 +9,7 @@ from gptmini.checkpoint.format import (
     load_checkpoint,
     load_on_device,
     model_config,
+    model_source,
     read_checkpoint,
     tokenizer_entry,
     training_steps,
@@ -16,5 +17,5 @@ from gptmini.checkpoint.format import (
 )
 
 __all__ = ["CONFIG_FIELDS", "MODEL_PREFIX", "LoadedModel", "check_readable", "load_checkpoint",
-           "load_on_device", "model_config", "read_checkpoint", "tokenizer_entry",
+           "load_on_device", "model_config", "model_source", "read_checkpoint", "tokenizer_entry",
            "training_steps", "write_model_entries"]

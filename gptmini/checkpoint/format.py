@@ -26,7 +26,8 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
-from gptmini.convert import is_llama_architecture, load_hf
+from gptmini.convert import config_from_hf, config_from_llama, is_llama_architecture, load_hf
+from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype
 from gptmini.tokenizer import (
@@ -45,6 +46,7 @@ __all__ = [
     "load_checkpoint",
     "load_on_device",
     "model_config",
+    "model_source",
     "read_checkpoint",
     "tokenizer_entry",
     "training_steps",
@@ -66,14 +68,20 @@ class LoadedModel(NamedTuple):
 
 
 def load_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu"
+    path: str | Path, map_location: str | torch.device = "cpu", *, base: str | Path | None = None
 ) -> LoadedModel:
     """Rebuild a trained model and its tokenizer from `path`.
+
+    A LoRA run's checkpoint holds its adapters alone: they are loaded onto the base they
+    were trained on (the path the checkpoint names, or `base`), which must hold the same
+    weights, and merged. A classifier's model has its class head as `out_head` (the
+    class names are `hparams["classes"]`).
 
     Args:
         path: a gptmini `.ckpt` file, or a Hugging Face GPT-2 directory (`config.json` and
             `model.safetensors` or `pytorch_model.bin`).
         map_location: device for the weights and the model.
+        base: for a LoRA checkpoint, where its base is now, if it moved.
 
     Returns:
         (model in eval mode, tokenizer, hyper_parameters dict).
@@ -116,8 +124,88 @@ def load_checkpoint(
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from err
 
-    model = _model_holding(cfg, model_state, path)
+    classes = hparams.get("classes")
+    if ckpt.get("lora"):
+        model = _adapted_model(cfg, model_state, ckpt["lora"], classes, path, base)
+    else:
+        model = _model_holding(cfg, model_state, path, classes)
     return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+
+
+def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] | None,
+                   path: Path, base: str | Path | None) -> GPTModel:
+    """A LoRA checkpoint's adapters (and class head) on their base, merged.
+
+    Raises:
+        FileNotFoundError: the base is not where the checkpoint (or `base`) says.
+        ValueError: the base holds other weights than the adapters were trained on.
+    """
+    where = base or lora["base"]
+    if not Path(where).exists():
+        raise FileNotFoundError(
+            f"{path} holds LoRA adapters, trained on the base {lora['base']}, which is not "
+            "there: put the base back, or pass where it is now (load_checkpoint(path, "
+            "base=...))")
+    base_model = load_checkpoint(where).model
+    found = base_fingerprint(base_model.state_dict())
+    if found != lora["base_fingerprint"]:
+        raise ValueError(
+            f"{path} holds LoRA adapters trained on the base {lora['base']} (weights "
+            f"{lora['base_fingerprint']}), not on {where} (weights {found}): load them onto "
+            "the base they were trained on")
+    model = GPTModel(cfg)
+    weights = base_model.state_dict()
+    if "pos_emb.weight" in weights:
+        weights["pos_emb.weight"] = weights["pos_emb.weight"][: cfg.context_length]
+    if classes:
+        add_class_head(model, len(classes))
+        weights = {k: v for k, v in weights.items() if not k.startswith("out_head.")}
+    model.load_state_dict(weights, strict=False)
+    add_lora(model, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
+             targets=lora["targets"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    expected = set(adapter_state(model.state_dict())) | ({k for k in model.state_dict()
+                                                          if k.startswith("out_head.")}
+                                                         if classes else set())
+    if expected & set(missing) or unexpected:
+        raise ValueError(f"{path}: its adapters do not fit the model it describes (missing "
+                         f"{sorted(expected & set(missing))[:3]}, unexpected "
+                         f"{sorted(unexpected)[:3]})")
+    return merge_lora(model).requires_grad_(True)
+
+
+def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
+    """The architecture and the tokenizer of a model source without reading its weights: a
+    gptmini checkpoint (memory-mapped) or a Hugging Face GPT-2, Llama or Qwen3 directory
+    (its config.json and tokenizer.json). What `--model.init_from` starts from.
+
+    Raises:
+        FileNotFoundError: nothing at `path`, or a directory without config.json.
+        ValueError: a file that is not a gptmini checkpoint, or a config gptmini cannot load.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no model at {path}: pass a gptmini checkpoint (.ckpt, under a run's "
+            "checkpoints/) or a Hugging Face GPT-2, Llama or Qwen3 directory")
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no "
+                                    "config.json (save one with save_pretrained or export_hf)")
+        hf_config = json.loads(config_path.read_text())
+        llama = hf_config.get("model_type") in ("llama", "qwen3")
+        cfg = config_from_llama(hf_config) if llama else config_from_hf(hf_config)
+        tokenizer = _hf_directory_tokenizer(path, not llama)
+        return cfg.fit_vocab(tokenizer.n_vocab), tokenizer
+    ckpt = read_checkpoint(path, "cpu", mmap=True)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict):
+        raise ValueError(f"{path} is not a gptmini checkpoint (what train.py saves)")
+    try:
+        tokenizer = tokenizer_from_dict(tokenizer_entry(ckpt), f"{path}'s tokenizer")
+        return model_config(ckpt, tokenizer.n_vocab), tokenizer
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from err
 
 
 def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedModel:
@@ -130,10 +218,14 @@ def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedMo
     return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
 
-def _model_holding(cfg: GPTConfig, model_state: dict, path: Path) -> GPTModel:
-    """A GPTModel of `cfg` with a checkpoint's weights, or an error naming what differs."""
+def _model_holding(cfg: GPTConfig, model_state: dict, path: Path,
+                   classes: list[str] | None = None) -> GPTModel:
+    """A GPTModel of `cfg` (with a class head for `classes`) holding a checkpoint's weights,
+    or an error naming what differs."""
     model = GPTModel(cfg)
-    if cfg.tie_weights and "out_head.weight" not in model_state:
+    if classes:
+        add_class_head(model, len(classes))
+    elif cfg.tie_weights and "out_head.weight" not in model_state:
         # One copy is enough for a tied head; some writers keep only the embedding.
         model_state["out_head.weight"] = model_state.get("tok_emb.weight")
     try:

@@ -1,6 +1,7 @@
 """The DataModule: a corpus as (input, target) windows for Lightning, resumable mid-epoch."""
 
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
 from gptmini.data.windows import ResumableSampler, SlidingWindowDataset
 from gptmini.tokenizer import get_tokenizer
@@ -36,6 +38,8 @@ class GPTDataModule(L.LightningDataModule):
         windows: the windows cut from the tokens (max_length follows the model's
             context length in train.py).
         loader: batch size, loader workers and the shuffle seed.
+        labels: classification instead of language modelling: labelled records become
+            (ids, attention mask, label) batches, right-padded with <|endoftext|>.
 
     `hparams` (a checkpoint's ``datamodule_hyper_parameters``) is one flat dict of the three
     parts' fields, as it was before they were grouped; `settings.from_record` reads it back.
@@ -48,12 +52,13 @@ class GPTDataModule(L.LightningDataModule):
         corpus: Corpus = Corpus(),  # noqa: B008
         windows: Windows = Windows(),  # noqa: B008
         loader: Loader = Loader(),  # noqa: B008
+        labels: Labels = Labels(),  # noqa: B008
     ):
         super().__init__()
-        self.corpus, self.windows, self.loader = corpus, windows, loader
-        self.save_hyperparameters(as_record(corpus, windows, loader))
-        self.train_dataset: SlidingWindowDataset | None = None
-        self.val_dataset: SlidingWindowDataset | None = None
+        self.corpus, self.windows, self.loader, self.labels = corpus, windows, loader, labels
+        self.save_hyperparameters(as_record(corpus, windows, loader, labels))
+        self.train_dataset: SlidingWindowDataset | LabeledDataset | None = None
+        self.val_dataset: SlidingWindowDataset | LabeledDataset | None = None
         self._train_sampler: ResumableSampler | None = None
         self._resume: dict[str, int] | None = None
         self._consumed: tuple[int, int] = (0, 0)  # (epoch, training batches taken in it)
@@ -66,7 +71,27 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (Lightning calls this on one process per node)."""
-        self.corpus.tokens(quiet=False)
+        if not self.labels.active:
+            self.corpus.tokens(quiet=False)
+
+    def labelled_splits(self) -> tuple[LabeledRecords, LabeledRecords]:
+        """(training, validation) records of a classification run (see `Labels.splits`)."""
+        c = self.corpus
+        return self.labels.splits(c.source, c.val_source, c.val_fraction, c.text_field)
+
+    def class_names(self) -> list[str]:
+        """A classification run's classes: the training records' labels, sorted."""
+        return sorted(set(self.labelled_splits()[0].labels))
+
+    def setup_labelled(self, classes: list[str]) -> None:
+        """The datasets of a classification run, with `classes` in the model's order."""
+        enc = get_tokenizer(self.corpus.tokenizer)
+        train, val = self.labelled_splits()
+        source = self.labels.task or self.corpus.source
+        self.train_dataset = LabeledDataset(train, enc, classes, self.windows.max_length,
+                                            f"the training records of {source}")
+        self.val_dataset = LabeledDataset(val, enc, classes, self.windows.max_length,
+                                          f"the validation records of {source}")
 
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the token files and build the window datasets.
@@ -74,6 +99,9 @@ class GPTDataModule(L.LightningDataModule):
         Raises:
             ValueError: the training (or validation) tokens are fewer than max_length + 1.
         """
+        if self.labels.active:
+            self.setup_labelled(self.labels.classes or self.class_names())
+            return
         train, val, train_name, val_name = self.corpus.tokens(quiet=True)
         max_length = self.windows.max_length
         for tokens, name, what in ((train, train_name, "training"), (val, val_name, "validation")):
@@ -137,8 +165,12 @@ class GPTDataModule(L.LightningDataModule):
 
     def _data_loader(self, dataset: Dataset, sampler: ResumableSampler,
                      drop_last: bool) -> DataLoader:
+        collate = None
+        if isinstance(dataset, LabeledDataset):
+            collate = partial(pad_batch, pad_id=get_tokenizer(self.corpus.tokenizer).eot_token)
         return DataLoader(
             dataset,
+            collate_fn=collate,
             batch_size=self.loader.batch_size,
             sampler=sampler,
             drop_last=drop_last,

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -26,12 +27,26 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
+from gptmini.checkpoint import (
+    CONFIG_FIELDS,
+    check_readable,
+    model_config,
+    model_source,
+    read_checkpoint,
+    tokenizer_entry,
+)
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.labels import Labels
 from gptmini.data.vocab import parse_bpe
 from gptmini.runtime import AUTO, auto_precision
-from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
+from gptmini.tokenizer import (
+    get_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    tokenizer_from_dict,
+)
 from gptmini.train.callbacks import (
     AttentionMapCallback,
     RunInterrupted,
@@ -42,7 +57,7 @@ from gptmini.train.callbacks import (
 )
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
-from gptmini.train.module import GPTLitModule
+from gptmini.train.module import CHANGEABLE_FIELDS, GPTLitModule, contradictions
 from gptmini.train.progress import progress_bar
 from gptmini.train.report import RunReport
 from gptmini.train.run_lock import is_first_process, run_lock
@@ -131,7 +146,9 @@ class GPTCLI(LightningCLI):
         check_intervals(self.config)
         resumed = _saved(self.config.ckpt_path, run_dir(self))  # read once, for both
         self._resolve_precision(resumed)
+        self._resolve_init_from(resumed)
         self._resolve_tokenizer(resumed)
+        self._resolve_classes()
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -159,13 +176,6 @@ class GPTCLI(LightningCLI):
         as the run directory's tokenizer.json; model and data then read that file. A resumed
         run takes the vocabulary its checkpoint holds, whatever the corpus says now."""
         model, data = self.config.model, self.config.data
-        if model.init_from and model.tokenizer != "gpt2":
-            raise ValueError(
-                f"--model.init_from {model.init_from} starts from GPT-2's weights, whose "
-                f"embeddings only fit GPT-2's vocabulary, not --model.tokenizer "
-                f"{model.tokenizer}: fine-tune with the gpt2 tokenizer, or drop init_from to "
-                "train from scratch with the new vocabulary"
-            )
         if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
             saved = tokenizer_entry(checkpoint)
             if "tokens" not in saved:
@@ -183,8 +193,86 @@ class GPTCLI(LightningCLI):
         save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
         model.tokenizer = data.corpus.tokenizer = str(target)
 
+    def _resolve_init_from(self, checkpoint: dict) -> None:
+        """--model.init_from: the architecture and the tokenizer come from the source (a
+        resumed run's, from its own checkpoint: the source may be gone). A model setting
+        given on the command line or in a --config that contradicts the source is refused,
+        naming both values; the settings not given take the source's."""
+        model = self.config.model
+        if not model.init_from:
+            return
+        if checkpoint:
+            source = tokenizer_from_dict(tokenizer_entry(checkpoint), "the checkpoint")
+            cfg, tokenizer = model_config(checkpoint, source.n_vocab), None
+        else:
+            cfg, tokenizer = model_source(model.init_from)
+        given = self._given("model")
+        contradicting = contradictions(cfg, {f: model[f] for f in given if f in CONFIG_FIELDS})
+        if contradicting:
+            said = "; ".join(f"--model.{f} {model[f]} (the source has {f}={getattr(cfg, f)!r})"
+                             for f in contradicting)
+            raise ValueError(
+                f"--model.init_from {model.init_from} fixes the architecture, and {said}. "
+                "Drop what contradicts it: the architecture comes from the source. A "
+                f"fine-tune may change {', '.join(CHANGEABLE_FIELDS[:-1])} and a "
+                f"context_length up to {cfg.context_length}")
+        for field, value in cfg.to_dict().items():
+            if field != "vocab_size" and field not in given:
+                model[field] = value
+        self.config.data.windows.max_length = model.context_length  # the link, once more
+        if tokenizer is not None:
+            self._take_source_tokenizer(tokenizer, "tokenizer" in given)
+
+    def _take_source_tokenizer(self, enc, given: bool) -> None:
+        """The source's tokenizer for model and data; a --model.tokenizer naming another
+        vocabulary is refused (the source's embeddings are trained for its ids)."""
+        model, data = self.config.model, self.config.data
+        asked = str(model.tokenizer)
+        if given and (parse_bpe(asked) is not None or tokenizer_fingerprint(
+                get_tokenizer(asked)) != tokenizer_fingerprint(enc)):
+            raise ValueError(
+                f"--model.tokenizer {asked} contradicts --model.init_from {model.init_from}, "
+                f"whose embeddings are trained for its own vocabulary ({enc.name}, "
+                f"{enc.n_vocab:,} ids): drop --model.tokenizer (the source's is used), or "
+                "drop init_from to train from scratch with the new vocabulary")
+        if enc.name == "gpt2":
+            model.tokenizer = data.corpus.tokenizer = "gpt2"
+            return
+        target = run_dir(self) / "tokenizer.json"
+        save_tokenizer(enc, target)
+        model.tokenizer = data.corpus.tokenizer = str(target)
+
+    def _resolve_classes(self) -> None:
+        """A classification run (--data.labels): the class names, from the training records
+        unless given, for the model's head and the data's label ids alike."""
+        model, labels = self.config.model, self.config.data.labels
+        if not (labels.task or labels.label_field):
+            if model.classes:
+                raise ValueError("--model.classes needs labelled data: set "
+                                 "--data.labels.label_field (or --data.labels.task)")
+            return
+        if not labels.classes:
+            data = GPTDataModule(Corpus(**self.config.data.corpus.as_dict()),
+                                 labels=Labels(**labels.as_dict()))
+            labels.classes = data.class_names()
+        model.classes = list(labels.classes)
+
+    def _given(self, section: str) -> set[str]:
+        """The `section` fields this invocation sets: by a flag, in a --config file, or to a
+        value other than the default run's."""
+        args = self._args or []
+        given = {a.split("=", 1)[0][len(section) + 3:] for a in args
+                 if a.startswith(f"--{section}.")}
+        for path in self.config.get("config") or []:
+            text = yaml.safe_load(Path(str(path)).read_text()) or {}
+            given |= set((text.get(section) or {}) if isinstance(text, dict) else ())
+        defaults = self.parser.get_defaults()[section].as_dict()
+        now = self.config[section].as_dict()
+        return given | {k for k, v in now.items() if k in defaults and v != defaults[k]}
+
     def parse_arguments(self, parser, args):
-        check_keys(parser, sys.argv[1:] if args is None else args)
+        self._args = sys.argv[1:] if args is None else list(args)
+        check_keys(parser, self._args)
         super().parse_arguments(parser, args)
 
 

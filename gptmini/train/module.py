@@ -9,7 +9,17 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from gptmini.checkpoint import model_config, write_model_entries
+from gptmini.checkpoint import CONFIG_FIELDS, model_config, write_model_entries
+from gptmini.finetune import (
+    DEFAULT_TARGETS,
+    accuracy_and_confusion,
+    adapter_state,
+    add_class_head,
+    add_lora,
+    base_fingerprint,
+    class_logits,
+    count_parameters,
+)
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import peak_flops_of
@@ -32,10 +42,22 @@ class GPTLitModule(L.LightningModule):
             encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
             "bpe:N", fitted to the run's corpus and saved in the run directory. The
             model's vocab_size is this tokenizer's number of ids.
-        init_from: A Hugging Face GPT-2 directory (`save_pretrained` layout) whose
-            weights start a new run, for fine-tuning; the model settings must match
-            its config.json, except that a shorter context_length keeps the first
-            context_length position embeddings. Ignored when resuming a checkpoint.
+        init_from: A gptmini checkpoint (.ckpt) or a Hugging Face GPT-2, Llama or Qwen3
+            directory whose weights start a new run, for fine-tuning. train.py takes the
+            architecture and the tokenizer from it; the model settings must match it,
+            except dropout and a context_length up to the source's (a shorter one keeps
+            the first position embeddings). Ignored when resuming, except by LoRA, whose
+            checkpoints hold the adapters alone and load onto it.
+        classes: Classification (the book's chapter 6): the class names, in the order
+            of a class head that replaces the output head and reads each sequence's last
+            real token. train.py sets them from --data.labels; None: a language model.
+        lora_rank: LoRA (the book's appendix E): the adapters' rank; 0 trains every
+            weight. With LoRA only the adapters (and a class head) train, with AdamW.
+        lora_alpha: The adapters' update is scaled by lora_alpha / lora_rank.
+        lora_dropout: Dropout on the adapters' input.
+        lora_targets: The layers that get adapters: some of W_query, W_key, W_value,
+            out_proj (the attention's projections) and mlp (every MLP layer); None: the
+            four attention projections.
         learning_rate: Peak learning rate, reached after warmup (AdamW's).
         optimizer: "adamw" for every weight, or "muon": torch.optim.Muon (torch >= 2.9)
             for the blocks' matrices, AdamW for embeddings, head, norms and biases.
@@ -63,6 +85,11 @@ class GPTLitModule(L.LightningModule):
         self,
         tokenizer: str = "gpt2",
         init_from: str | None = None,
+        classes: list[str] | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_targets: list[str] | None = None,
         learning_rate: float = 1e-3,
         optimizer: str = "adamw",
         muon_learning_rate: float = 2e-3,
@@ -88,6 +115,22 @@ class GPTLitModule(L.LightningModule):
         """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
         self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
         self.model = GPTModel(self.cfg)
+        self.lora_targets = tuple(lora_targets or DEFAULT_TARGETS)
+        if classes is not None:
+            add_class_head(self.model, len(classes))
+        if lora_rank:
+            if not init_from:
+                raise ValueError(f"model.lora_rank={lora_rank} adapts a pretrained model: "
+                                 "name it with --model.init_from (a .ckpt or a Hugging Face "
+                                 "directory)")
+            add_lora(self.model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                     targets=self.lora_targets)
+            self.model.out_head.requires_grad_(classes is not None)  # a class head trains
+            # Lightning loads a checkpoint's state_dict into this module: an adapter
+            # checkpoint holds the adapters (and class head), the base comes from init_from.
+            self.strict_loading = False
+        self.base_fingerprint: str | None = None
+        """The weights init_from loaded (LoRA: adapters refuse another base)."""
         self.optimizer_steps = OptimizerSteps()
         """Whether the optimizer stepped at the batch now ending: every hook reads this one."""
         self.skipped_steps = SkippedSteps()
@@ -98,6 +141,7 @@ class GPTLitModule(L.LightningModule):
         self._rng_to_restore: dict | None = None
         self._token_bytes: Tensor | None = None  # bytes of text per id, for val/bpb
         self._val_nats = self._val_bytes = None
+        self._val_confusion: Tensor | None = None  # a classifier's validation counts
         self.resuming = False
         """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
         after `setup`, which must already know not to load `init_from` (train.py sets it)."""
@@ -115,31 +159,47 @@ class GPTLitModule(L.LightningModule):
             torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
         if self._peak_flops is None:
             self._peak_flops = peak_flops_of(self.device, self._compute_dtype())
-        if stage == "fit" and self.hparams.init_from and not self.resuming:
+        if stage == "fit" and self.hparams.init_from and (not self.resuming
+                                                          or self.hparams.lora_rank):
             self.load_pretrained(self.hparams.init_from)
+        if stage == "fit" and self.hparams.lora_rank and self.trainer.is_global_zero:
+            trainable, total = count_parameters(self.model)
+            print(f"LoRA rank {self.hparams.lora_rank} on {', '.join(self.lora_targets)}"
+                  f": {trainable:,} of {total:,} parameters train ({trainable / total:.2%})",
+                  flush=True)
 
-    def load_pretrained(self, directory: str):
-        """Copy a Hugging Face GPT-2's weights into this module's model."""
-        from gptmini.convert import load_hf
+    def load_pretrained(self, source: str):
+        """Copy the weights of `source` (a .ckpt or a Hugging Face directory) into this
+        module's model: all of them but a class head and LoRA adapters, which start fresh.
 
-        pretrained = load_hf(directory)
-        theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
-        shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
-                        "qkv_bias", "tie_weights", "position", "norm", "mlp", "qk_norm", "bias")
-        differ = [f for f in shape_fields if getattr(theirs, f) != getattr(ours, f)]
-        if ours.context_length > theirs.context_length:
-            differ.append("context_length")
-        if ours.n_kv_heads not in (None, ours.n_heads):
-            differ.append("n_kv_heads")
+        Raises:
+            ValueError: the source holds a different architecture (naming each field,
+                its value there and the flag that matches it).
+        """
+        from gptmini.checkpoint import load_checkpoint
+
+        pretrained = load_checkpoint(source).model
+        theirs, ours = pretrained.cfg, self.cfg
+        differ = architecture_differences(theirs, ours)
         if differ:
             wanted = " ".join(f"--model.{f} {getattr(theirs, f)}" for f in differ)
             raise ValueError(
-                f"model.init_from={directory} holds a different model "
+                f"model.init_from={source} holds a different model "
                 f"({', '.join(f'{f}={getattr(theirs, f)!r}' for f in differ)}); set {wanted}"
             )
         state = pretrained.state_dict()
-        state["pos_emb.weight"] = state["pos_emb.weight"][: ours.context_length]
-        self.model.load_state_dict(state, strict=True)
+        self.base_fingerprint = base_fingerprint(state)
+        if "pos_emb.weight" in state:
+            state["pos_emb.weight"] = state["pos_emb.weight"][: ours.context_length]
+        fresh = set(adapter_state(self.model.state_dict()))
+        if self.hparams.classes is not None:
+            state = {k: v for k, v in state.items() if not k.startswith("out_head.")}
+            fresh |= {k for k in self.model.state_dict() if k.startswith("out_head.")}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if set(missing) - fresh or unexpected:
+            raise ValueError(f"model.init_from={source}: its weights do not fit this model "
+                             f"(missing {sorted(set(missing) - fresh)[:3]}, unexpected "
+                             f"{sorted(unexpected)[:3]})")
 
     # --- steps --------------------------------------------------------------------------
 
@@ -153,12 +213,23 @@ class GPTLitModule(L.LightningModule):
         return self.model(inputs, targets=targets, document_ids=documents[0] if documents
                           else None, loss_chunk_size=self.hparams.loss_chunk_size)
 
+    def _class_loss(self, batch) -> tuple[Tensor, Tensor]:
+        """A classification batch (ids, attention mask, labels): the cross-entropy of the
+        class logits at each sequence's last real token, and the predicted classes."""
+        ids, mask, labels = batch
+        logits = class_logits(self.model, ids, mask).float()  # (b, num_classes)
+        return torch.nn.functional.cross_entropy(logits, labels), logits.argmax(-1)
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        loss = self._class_loss(batch)[0] if self.hparams.classes else self._loss(batch)
         self.log("train/loss", loss)  # a tensor: logged without waiting (the bar reads it)
         return loss
 
     def on_validation_epoch_start(self):
+        if self.hparams.classes:
+            self._val_confusion = torch.zeros(len(self.hparams.classes), len(self.hparams.classes),
+                                              dtype=torch.long)
+            return
         self._val_nats = torch.zeros((), dtype=torch.float32, device=self.device)
         self._val_bytes = torch.zeros((), dtype=torch.long, device=self.device)
         if self._token_bytes is None or self._token_bytes.device != self.device:
@@ -166,6 +237,12 @@ class GPTLitModule(L.LightningModule):
             self._token_bytes = torch.tensor(lengths, device=self.device)
 
     def validation_step(self, batch, batch_idx: int):
+        if self.hparams.classes:
+            loss, predicted = self._class_loss(batch)
+            self.log("val/loss", loss, sync_dist=True, batch_size=len(predicted))
+            num_classes = len(self.hparams.classes)
+            self._val_confusion += accuracy_and_confusion(predicted, batch[2], num_classes)[1]
+            return
         inputs, targets, *documents = batch
         nats = self.model(inputs, targets=targets, reduction="none",
                           document_ids=documents[0] if documents else None,
@@ -179,6 +256,11 @@ class GPTLitModule(L.LightningModule):
         self._val_bytes += num_bytes.sum()
 
     def on_validation_epoch_end(self):
+        if self.hparams.classes:  # accuracy over the whole split, every rank's examples
+            confusion = self.trainer.strategy.reduce(self._val_confusion.to(self.device),
+                                                     reduce_op="sum")
+            self.log("val/acc", confusion.diag().sum() / confusion.sum().clamp(min=1))
+            return
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
@@ -274,6 +356,8 @@ class GPTLitModule(L.LightningModule):
             )
         # the model and its vocabulary, so the checkpoint is all generate.py needs
         write_model_entries(checkpoint, self.cfg, self.tokenizer, str(self.trainer.precision))
+        if self.hparams.lora_rank:
+            self._keep_adapters_only(checkpoint)
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes
@@ -282,7 +366,25 @@ class GPTLitModule(L.LightningModule):
             per_rank = [states]
         checkpoint["rng_states"] = per_rank
 
+    def _keep_adapters_only(self, checkpoint: dict) -> None:
+        """A LoRA run's checkpoint holds what trains (adapters, a class head) and the base
+        it adapts, by path and by fingerprint; the frozen weights stay in the base."""
+        trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
+        state = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {k: v for k, v in state.items() if k in trainable}
+        hp = self.hparams
+        checkpoint["lora"] = {"base": str(hp.init_from), "base_fingerprint": self.base_fingerprint,
+                              "rank": hp.lora_rank, "alpha": hp.lora_alpha,
+                              "dropout": hp.lora_dropout, "targets": list(self.lora_targets)}
+
     def on_load_checkpoint(self, checkpoint: dict):
+        saved_lora = checkpoint.get("lora")
+        if saved_lora and self.base_fingerprint not in (None, saved_lora["base_fingerprint"]):
+            raise ValueError(
+                f"the checkpoint's adapters were trained on {saved_lora['base']} (weights "
+                f"{saved_lora['base_fingerprint']}), and model.init_from={self.hparams.init_from}"
+                f" holds other weights ({self.base_fingerprint}): resume with the base they "
+                "were trained on")
         saved = model_config(checkpoint, self.cfg.vocab_size).to_dict()
         shape_fields = [f for f in saved if f != "drop_rate"]
         differ = [f for f in shape_fields if saved[f] != getattr(self.cfg, f)]
@@ -320,9 +422,18 @@ class GPTLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        sharded = hp.optimizer == "muon" and isinstance(self.trainer.strategy.model,
+        name = hp.optimizer
+        if hp.lora_rank and name == "muon":
+            # Muon would orthogonalize each adapter's update: every singular value of a
+            # rank-r step set to one, whatever the gradient's spectrum, at a rate scaled by
+            # the wide side. LoRA is an AdamW method (the paper, the book's appendix E).
+            name = "adamw"
+            if self.trainer.is_global_zero:
+                print("LoRA: the adapters train with AdamW (--model.optimizer muon applies to "
+                      "full fine-tuning)", flush=True)
+        sharded = name == "muon" and isinstance(self.trainer.strategy.model,
                                                         FullyShardedDataParallel)
-        optimizer = make_optimizer(self.model, hp.optimizer, learning_rate=hp.learning_rate,
+        optimizer = make_optimizer(self.model, name, learning_rate=hp.learning_rate,
                                    muon_learning_rate=hp.muon_learning_rate,
                                    weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
                                    device=self.device, sharded=sharded)
@@ -352,6 +463,39 @@ class GPTLitModule(L.LightningModule):
 
     def _warmup_steps(self) -> int:
         return min(self.hparams.warmup_steps, self._total_steps())
+
+
+CHANGEABLE_FIELDS = ("drop_rate", "attn_drop_rate", "attention_backend", "context_length")
+"""What a fine-tune may set differently from its init_from source: dropout, the attention
+kernel, and a context_length up to the source's; every other GPTConfig field is its
+architecture, taken from the source."""
+
+
+def architecture_differences(source: GPTConfig, cfg: GPTConfig) -> list[str]:
+    """The GPTConfig fields where `cfg` contradicts the architecture of `source`: every field
+    but CHANGEABLE_FIELDS, and a context_length past the source's. Spellings of the same
+    model agree (n_kv_heads None is n_heads, mlp_hidden_dim None its default width,
+    padded_vocab_size None is vocab_size)."""
+    same = {"n_kv_heads": lambda c: c.n_kv_heads or c.n_heads,
+            "mlp_hidden_dim": lambda c: c.hidden_dim,
+            "padded_vocab_size": lambda c: c.vocab_width}
+    differ = [f for f in CONFIG_FIELDS if f not in CHANGEABLE_FIELDS
+              and same.get(f, lambda c, f=f: getattr(c, f))(source)
+              != same.get(f, lambda c, f=f: getattr(c, f))(cfg)]
+    if cfg.context_length > source.context_length:
+        differ.append("context_length")
+    return differ
+
+
+def contradictions(source: GPTConfig, given: dict) -> list[str]:
+    """The fields of `given` (GPTConfig fields a user set) that contradict the architecture
+    of `source` (see `architecture_differences`), in `given`'s order."""
+    merged = {**source.to_dict(), **given}
+    try:
+        differ = architecture_differences(source, GPTConfig(**merged))
+    except (TypeError, ValueError):  # an invalid combination: compare the values as given
+        differ = [f for f in given if merged[f] != getattr(source, f)]
+    return [f for f in given if f in differ]
 
 
 def _check_range(name: str, value: float, low: float, high: float):

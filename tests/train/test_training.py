@@ -553,11 +553,13 @@ def test_a_gpt2_run_resumes_with_gpt2_whatever_the_default_tokenizer(tmp_path, c
 
 
 def test_a_fitted_vocabulary_with_gpt2_weights_is_refused(tmp_path, corpus, capsys):
-    args = tiny_args(tmp_path, corpus, "--model.tokenizer", "bpe:300",
-                     "--model.init_from", str(tmp_path / "gpt2"))
+    shape = {"context_length": 16, "emb_dim": 32, "n_heads": 2, "n_layers": 2}
+    args = tiny_args(tmp_path, corpus, "--model.tokenizer", "bpe:300", "--model.init_from",
+                     str(tiny_gpt2_directory(tmp_path / "gpt2", **shape)))
     assert main(args) == 1
     err = capsys.readouterr().err
-    assert "only fit GPT-2's vocabulary" in err and "Traceback" not in err
+    assert "--model.tokenizer bpe:300 contradicts" in err and "(gpt2, 50,257 ids)" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
