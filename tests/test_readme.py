@@ -36,6 +36,8 @@ SKIPPED = {
     "--trainer.fast_dev_run": "fits and tokenizes the default run's corpus (slow here)",
     "--attention_every": "trains the default run (minutes)",
     "serve.py": "started by this test on a free port",
+    "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
+    "pip download": "downloads from the network",
 }
 PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download"}
 
