@@ -2,12 +2,12 @@
 
 Part 1, correctness: the device parity check in float32 and bf16 (gptmini.testing.device),
 the GPU tests (`pytest -m gpu tests/test_gpu.py`), and FSDP on one GPU (train, then resume
-from its checkpoint). Part 2, training speed: bench/bench_gpu.py's
-training figures at GPT-2 124M, context 1024 (tokens/s and MFU through the LightningModule
-and a plain loop, peak memory, the largest micro-batch). Part 3: the GPU config
+from its checkpoint). Part 2, bench/bench_gpu.py at GPT-2 124M: training at context 1024
+(tokens/s and MFU through the LightningModule and a plain loop, peak memory, the largest
+micro-batch), then decoding at batch 1 and 64. Part 3: the GPU config
 (configs/shakespeare-gpu.yaml) trained for a fixed number of steps and scored in bits per
 byte on its whole validation split; the engine at the 124M shape with 256 requests sharing
-a prefix, against one request alone; bench_gpu's decoding at batch 1 and 64.
+a prefix, against one request alone.
 
 Each part fits one 10-minute call of a lent GPU machine: its items run in order while
 --budget lasts (an item found past it is written "out of time"; long items stop
@@ -167,13 +167,13 @@ def fsdp(proof: Proof) -> dict:
     return {**figures, "status": "failed", "headline": "FSDP failed compiled and not"}
 
 
-# --- part 2: training speed ----------------------------------------------------------------
+# --- part 2: bench_gpu.py, training and decoding -------------------------------------------
 
 
 def training(proof: Proof) -> dict:
     figures = training_figures(proof.shape, proof.device,
                                **(dict(batch=4, steps=3, warmup=1, tries=(4, 8)) if proof.tiny
-                                  else {}), deadline=proof.deadline - 30)
+                                  else {}), deadline=proof.deadline - 150)  # decoding's
     lit, plain = figures["lightning_mfu"], figures["plain_mfu"]
     mfu = (f"MFU {lit:.1%} Lightning, {plain:.1%} plain (goal >= 45% Lightning; llm.c "
            f"~{LLMC_TOKENS_PER_S * flops_per_token(GPTConfig(**GPT2)) / H100_BF16_PEAK:.0%})"
@@ -185,14 +185,25 @@ def training(proof: Proof) -> dict:
                         f"{figures['largest_micro_batch']}"}
 
 
-# --- part 3: the default run on the GPU, the engine, decoding ------------------------------
+def decoding(proof: Proof) -> dict:
+    figures = decoding_figures(proof.shape, proof.device, new_tokens=8 if proof.tiny else 128,
+                               deadline=proof.deadline - 120)  # compiling takes minutes
+    eager = figures["eager_tokens_per_s"]
+    compiled = figures.get("compiled_tokens_per_s")
+    return {**figures, "status": "ok",
+            "headline": f"eager {eager['1']:,.0f} tokens/s at batch 1, {eager['64']:,.0f} at 64"
+                        + (f"; compiled {compiled['1']:,.0f} and {compiled['64']:,.0f}"
+                           if compiled else "")}
+
+
+# --- part 3: the default run on the GPU, the engine ----------------------------------------
 
 
 def default_run(proof: Proof) -> dict:
     """The GPU config for --run_steps steps (stopped early by the budget, if need be, which
     the figures then say), then bits per byte over its whole validation split."""
     shutil.rmtree(proof.runs / "default-run", ignore_errors=True)
-    seconds = int(proof.left() - (10 if proof.tiny else 240))  # what parts 3's others need
+    seconds = int(proof.left() - (10 if proof.tiny else 90))  # the engine's time
     if seconds < 30:
         return {"status": "out of time", "headline": f"{seconds} s left: not started"}
     stop = f"00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -261,19 +272,8 @@ def engine(proof: Proof) -> dict:
                         "prompt tokens computed (the rest from cached prefix blocks)"}
 
 
-def decoding(proof: Proof) -> dict:
-    figures = decoding_figures(proof.shape, proof.device, new_tokens=8 if proof.tiny else 128,
-                               deadline=proof.deadline - 60)
-    eager = figures["eager_tokens_per_s"]
-    compiled = figures.get("compiled_tokens_per_s")
-    return {**figures, "status": "ok",
-            "headline": f"eager {eager['1']:,.0f} tokens/s at batch 1, {eager['64']:,.0f} at 64"
-                        + (f"; compiled {compiled['1']:,.0f} and {compiled['64']:,.0f}"
-                           if compiled else "")}
-
-
 PARTS: dict[int, tuple[Callable[[Proof], dict], ...]] = {
-    1: (parity, gpu_tests, fsdp), 2: (training,), 3: (default_run, engine, decoding)}
+    1: (parity, gpu_tests, fsdp), 2: (training, decoding), 3: (default_run, engine)}
 
 
 # --- the figures file ----------------------------------------------------------------------
