@@ -250,8 +250,9 @@ def main():
               f"{f'{mfu:.1%}' if mfu else '-':>8}")
     print(f"  Lightning vs plain: {train['lightning_vs_plain']:+.1%} (goal: within 3%)")
     print(f"  peak memory (plain loop): {train['peak_memory_bytes'] / 2**30:.1f} GiB")
+    rates = ", ".join(f"{b}: {r:,.0f}" for b, r in train["tokens_per_s_by_micro_batch"].items())
     print(f"  largest micro-batch that fits: {train['largest_micro_batch']} (tokens/s by "
-          f"micro-batch: {train['tokens_per_s_by_micro_batch']})")
+          f"micro-batch: {rates})")
     print("  goal: MFU >= 45% through the LightningModule")
 
     decoding = decoding_figures(shape, device, new_tokens=args.new_tokens)
