@@ -13,12 +13,15 @@ import argparse
 import functools
 import platform
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
-__all__ = ["AUTO", "add_device_options", "auto_dtype", "auto_precision", "cpu_has_bf16",
-           "device_has_bf16", "measure_matmul_flops", "peak_flops_of", "resolve_device"]
+__all__ = ["AUTO", "DENSE_GPU_PEAKS", "add_device_options", "auto_dtype", "auto_precision",
+           "cpu_has_bf16", "device_has_bf16", "measure_matmul_flops", "peak_flops_of",
+           "resolve_device"]
 
 AUTO = "auto"
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -118,15 +121,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+DENSE_GPU_PEAKS: Mapping[str, Mapping] = MappingProxyType({
+    "h200 nvl": MappingProxyType({torch.bfloat16: 835.5e12, torch.float16: 835.5e12,
+                                  "tfloat32": 417.5e12, torch.float32: 60e12}),
+    "h200": MappingProxyType({torch.bfloat16: 989.4e12, torch.float16: 989.4e12,
+                              "tfloat32": 494.7e12, torch.float32: 66.9e12}),
+})
+"""Dense peak FLOP/s of GPUs that Lightning's table (2.6) misses or overstates, matched by a
+lower-cased substring of the device's name, first match first. NVIDIA's H200 datasheet
+gives tensor rates with 2:4 sparsity; Lightning copies those (2.0e15 bf16 for "h200 sxm1",
+twice the H100 SXM's dense 989.4e12 on the same chip) and does not match the name the SXM
+part reports ("NVIDIA H200"), so MFU was either missing or halved. These are the
+datasheet's figures halved (bench/gpu_proof.py reports MFU against them)."""
+
+
 def peak_flops_of(device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
     """Peak FLOP/s of one device computing in `dtype`.
 
-    GPUs from Lightning's table, which tells an H100 SXM from a PCIe card and counts TF32
-    for float32 when matmuls may use it; a CPU by measuring its matmul rate in `dtype`, once
-    per process. None for a device neither knows.
+    GPUs from DENSE_GPU_PEAKS, else Lightning's table, which tells an H100 SXM from a PCIe
+    card; both count TF32 for float32 when matmuls may use it. A CPU by measuring its
+    matmul rate in `dtype`, once per process. None for a device neither knows.
     """
     if device.type == "cpu":
         return measure_matmul_flops(dtype=dtype)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        table = next((t for chip, t in DENSE_GPU_PEAKS.items() if chip in name), None)
+        if table is not None:
+            tf32 = dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
+            return table.get("tfloat32" if tf32 else dtype)
     from lightning.fabric.utilities.throughput import get_available_flops  # GPUs' table only
 
     flops = get_available_flops(device, dtype)

@@ -42,6 +42,8 @@ SKIPPED = {
     "runs/lora-shakespeare": "needs the LoRA run above",
     "runs/classify-genres": "needs the classification run above",
     "sms_spam": "needs the network (the UCI download) and GPT-2's weights",
+    "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
+    "pip download": "downloads from the network",
 }
 PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download",
                   "runs/lora-shakespeare": "needs the LoRA run",

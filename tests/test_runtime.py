@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gptmini.runtime as precision
-from gptmini.runtime import auto_dtype, auto_precision, cpu_has_bf16
+from gptmini.runtime import auto_dtype, auto_precision, cpu_has_bf16, peak_flops_of
 
 CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx2 {extra}\nbugs\t\t: none\n"
 
@@ -50,3 +50,29 @@ def test_explicit_choices_and_bad_names():
     assert auto_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype 'half' is not one of auto, float32, bfloat16"):
         auto_dtype("half", "cpu")
+
+
+
+@pytest.fixture
+def matmul_precision():
+    """Set torch's float32 matmul precision for a test, and put it back."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize(("name", "bf16"), [
+    ("NVIDIA H200", 989.4e12),  # the SXM part's name: Lightning 2.6 knows no such chip
+    ("NVIDIA H200 NVL", 835.5e12),
+    ("NVIDIA H100 80GB HBM3", 989.4e12),  # Lightning's table, dense
+])
+def test_a_gpus_peak_is_its_dense_rate(monkeypatch, matmul_precision, name, bf16):
+    """MFU divides by the dense peak: an H200 is an H100's chip, so never twice its rate."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    cuda = torch.device("cuda")
+    assert peak_flops_of(cuda, torch.bfloat16) == pytest.approx(bf16)
+    if "H200" in name:
+        matmul_precision("highest")
+        fp32 = peak_flops_of(cuda, torch.float32)
+        matmul_precision("high")  # float32 matmuls may use TF32
+        assert fp32 < peak_flops_of(cuda, torch.float32) < bf16

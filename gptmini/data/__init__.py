@@ -5,10 +5,13 @@ The path of a corpus, stage by stage:
 1. `resolve_source`: a file, directory, glob or hub dataset name becomes a `CorpusSpec`
    (what to read, and an identity that changes when the data does).
 2. `load_documents`: Hugging Face `datasets` reads it as documents, one string each (a text
-   file is one document; a json/jsonl record or a parquet row is one document).
+   file is one document; a json/jsonl record or a parquet row is one document). Plain-text
+   files, the embedded corpus's included, are read without it, the same documents
+   (`TextFiles`, `documents.py`).
 3. `tokenize_corpus`: tiktoken encodes the documents in parallel (`datasets.map`,
-   `num_proc` processes) and writes one flat token file per split, documents joined by
-   `<|endoftext|>`, under a cache key of source identity, tokenizer and split.
+   `num_proc` processes; threads for plain text) and writes one flat token file per split,
+   documents joined by `<|endoftext|>`, under a cache key of source identity, tokenizer and
+   split.
 4. `SlidingWindowDataset`: the book's `GPTDatasetV1` windows read straight from a memmap
    of that file, so building one costs no memory and no time whatever the corpus size.
 5. `ResumableSampler` and `GPTDataModule`: shuffled by (seed, epoch), one share per DDP

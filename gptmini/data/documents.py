@@ -1,9 +1,10 @@
-"""Reading a corpus: documents as strings through Hugging Face `datasets`, with errors that
-name the file, the line and the fix."""
+"""Reading a corpus: documents as strings through Hugging Face `datasets` (plain-text files
+without it), with errors that name the file, the line and the fix."""
 
 
 import codecs
 import gzip
+import io
 import json
 import logging
 import lzma
@@ -53,6 +54,43 @@ def load_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None)
             docs = _select_text(docs, "text" if builder == "text" else spec.text_field, where)
             parts.append(_check_missing_text(docs, spec, where, files))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+class TextFiles:
+    """Plain-text files as documents, one per file, read without `datasets`: the embedded
+    corpus's path, on machines without datasets (a GPU machine may lack it) and without
+    its import (seconds). Each file is read as `load_documents` reads it (UTF-8, universal
+    newlines, the spec's encoding errors; .gz, .bz2 and .xz decompressed), so the
+    documents, and so their tokens, are the same. It has what the tokenizing stages
+    read of a dataset: `len` and `iter(batch_size)`."""
+
+    def __init__(self, files: Sequence[Path], encoding_errors: str = "strict"):
+        self.files, self.errors = tuple(files), encoding_errors
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
+        """Batches of up to `batch_size` documents, {"text": [...]}, in file order."""
+        for start in range(0, len(self.files), batch_size):
+            yield {"text": [self.read(f) for f in self.files[start:start + batch_size]]}
+
+    def read(self, path: Path) -> str:
+        with io.TextIOWrapper(_open_binary(path), encoding="utf-8", errors=self.errors) as f:
+            return f.read()
+
+
+def read_documents(spec: CorpusSpec, cache_dir: str | os.PathLike | None = None):
+    """The documents the tokenizing stages read: `TextFiles` when every file of a local,
+    unstreamed corpus is plain text, else `load_documents`' dataset. Compressed files with
+    encoding errors other than strict stay with `load_documents`, which decodes them
+    without translating newlines (`_decoded_text_files`)."""
+    compressed = any(f.suffix.lower() in COMPRESSION_SUFFIXES for f in spec.files)
+    if (spec.hub_name is None and not spec.streaming and spec.files
+            and all(reader_of(f) == "text" for f in spec.files)
+            and not (compressed and spec.encoding_errors != "strict")):
+        return TextFiles(spec.files, spec.encoding_errors)
+    return load_documents(spec, cache_dir)
 
 
 def _hub_documents(spec: CorpusSpec):

@@ -16,7 +16,7 @@ import numpy as np
 from tiktoken import Encoding
 
 from gptmini.data.corpus import CorpusSpec, default_cache_dir, pin_revision
-from gptmini.data.documents import explain_read_errors, load_documents, missing_text
+from gptmini.data.documents import TextFiles, explain_read_errors, missing_text, read_documents
 from gptmini.tokenizer import GPT2_PATTERN, get_tokenizer, split_pattern, tokenizer_fingerprint
 
 CACHE_VERSION = 2  # 2: keyed on the tokenizer's content and a hub dataset's commit
@@ -150,8 +150,9 @@ def tokenize_corpus(
 
     Documents are encoded with tiktoken's `encode_ordinary_batch` (a literal
     "<|endoftext|>" in the text stays ordinary text) inside `datasets.map` on `num_proc`
-    processes, or on `num_proc` threads when streaming. Files hold uint16 when the
-    vocabulary fits, else uint32, with `<|endoftext|>` between documents.
+    processes, or on `num_proc` threads when streaming or reading plain text (`TextFiles`).
+    Files hold uint16 when the vocabulary fits, else uint32, with `<|endoftext|>` between
+    documents.
 
     Validation: every (1 / val_fraction)-th document; a corpus with fewer documents than
     that (say, one book) gives the last `val_fraction` of its tokens instead.
@@ -230,14 +231,14 @@ def _write_splits(spec: CorpusSpec, directory: Path, cache_root: Path, tokenizer
     """
     enc = get_tokenizer(tokenizer)
     dtype = token_dtype(enc)
-    docs = load_documents(spec, cache_root)
+    docs = read_documents(spec, cache_root)
     with (
         open(directory / "train.bin", "wb") as train_f,
         open(directory / "val.bin", "wb") as val_f,
         explain_read_errors(spec),
     ):
         args = {"tokenizer": tokenizer, "val_fraction": val_fraction, "dtype": dtype.name}
-        if spec.streaming:
+        if spec.streaming or isinstance(docs, TextFiles):  # batch by batch, on threads
             n_docs = _tokenize_stream(docs, spec, args, num_proc, train_f, val_f)
         else:
             n_docs = _tokenize_dataset(docs, args, num_proc, directory, train_f, val_f)

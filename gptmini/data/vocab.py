@@ -10,7 +10,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from gptmini.data.corpus import CorpusSpec, default_cache_dir, pin_revision
-from gptmini.data.documents import explain_read_errors, load_documents
+from gptmini.data.documents import explain_read_errors, read_documents
 from gptmini.data.tokens import is_validation
 from gptmini.tokenizer import GPT2_PATTERN, save_tokenizer, train_bpe
 
@@ -74,7 +74,7 @@ def fit_tokenizer(
 def training_texts(spec: CorpusSpec, cache_dir: Path, val_fraction: float,
                    max_bytes: int) -> Iterator[str]:
     """The training documents of `spec`, in order, until `max_bytes` of UTF-8."""
-    docs = load_documents(spec, cache_dir)
+    docs = read_documents(spec, cache_dir)
     kept, total, index, any_val = [], 0, 0, False
     for batch in docs.iter(batch_size=256):
         for text in batch["text"]:

@@ -1,9 +1,11 @@
 """Corpora in: formats, the embedded corpus, decoding errors, missing paths, the hub offline."""
 
 
+import dataclasses
 import gzip
 import json
 import logging
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -15,10 +17,12 @@ from gptmini.data import (
     EMBEDDED_CORPUS,
     Corpus,
     GPTDataModule,
+    fit_tokenizer,
     load_documents,
     resolve_source,
     tokenize_corpus,
 )
+from gptmini.data.documents import TextFiles, read_documents
 
 
 def test_embedded_corpus_loads_through_the_text_builder_from_gz(tmp_path):
@@ -30,6 +34,39 @@ def test_embedded_corpus_loads_through_the_text_builder_from_gz(tmp_path):
     assert docs.column_names == ["text"] and len(docs) == 42
     for i in (0, 17, 41):  # one document per work, decompressed, byte for byte
         assert docs[i]["text"] == gzip.decompress(files[i].read_bytes()).decode("utf-8")
+
+
+def test_plain_text_is_read_without_datasets_as_its_text_builder_reads_it(tmp_path):
+    """The tokenizing stages read plain-text files themselves (a GPU machine may lack
+    datasets); datasets' text builder, the oracle, must see the same documents."""
+    raw = {"crlf.txt": b"one\r\ntwo\rthree\n", "bom.md": b"\xef\xbb\xbfTitle\n\nbody",
+           "bad.txt": b"caf\xe9 au lait\r\n", "empty.txt": b"",
+           "crlf.txt.gz": gzip.compress(b"four\r\nfive\r")}
+    for name, data in raw.items():
+        (tmp_path / "docs" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "docs" / name).write_bytes(data)
+    embedded = resolve_source(None)
+    for spec in (resolve_source(str(tmp_path / "docs" / "*.txt"), encoding_errors="replace"),
+                 resolve_source(str(tmp_path / "docs"), encoding_errors="strict"),
+                 dataclasses.replace(embedded, files=embedded.files[:3])):
+        if spec.encoding_errors == "strict":  # bad.txt is not UTF-8
+            spec = dataclasses.replace(spec, files=tuple(
+                f for f in spec.files if f.name != "bad.txt"))
+        plain = read_documents(spec)
+        assert isinstance(plain, TextFiles)
+        ours = [text for batch in plain.iter(batch_size=2) for text in batch["text"]]
+        assert ours == load_documents(spec, tmp_path / "hf")["text"] and len(plain) == len(ours)
+
+
+def test_the_embedded_corpus_tokenizes_and_fits_a_vocabulary_without_datasets(
+        tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises
+    spec = resolve_source(None)
+    cache = tokenize_corpus(spec, val_fraction=0.05, cache_dir=tmp_path, quiet=True)
+    assert cache.meta["documents"] == 42 and cache.meta["tokens"]["val"] > 0
+    assert fit_tokenizer(spec, 300, val_fraction=0.05, cache_dir=tmp_path).is_file()
+    with pytest.raises(ImportError):
+        load_documents(dataclasses.replace(spec, streaming=True), tmp_path)
 
 
 def test_text_and_markdown_files_one_document_each(tmp_path):

@@ -1,0 +1,386 @@
+"""The GPU path proven in one command, its figures written to gpu_proof.json and .md.
+
+Part 1, correctness: the device parity check in float32 and bf16 (gptmini.testing.device),
+the GPU tests (`pytest -m gpu tests/test_gpu.py`), and FSDP on one GPU (train, then resume
+from its checkpoint). Part 2, bench/bench_gpu.py at GPT-2 124M: training at context 1024
+(tokens/s and MFU through the LightningModule and a plain loop, peak memory, the largest
+micro-batch), then decoding at batch 1 and 64. Part 3: the GPU config
+(configs/shakespeare-gpu.yaml) trained for a fixed number of steps and scored in bits per
+byte on its whole validation split; the engine at the 124M shape with 256 requests sharing
+a prefix, against one request alone.
+
+Each part fits one 10-minute call of a lent GPU machine: its items run in order while
+--budget lasts (an item found past it is written "out of time"; long items stop
+themselves at it), and the figures file is rewritten after every item, so a killed call
+still leaves what it measured. No part imports datasets or wandb; those that run train.py
+(the GPU tests, FSDP, the default run) need jsonargparse and rustbpe: docs/benchmarks.md
+says how to carry them to a machine that lacks them.
+
+    python bench/gpu_proof.py --part 1 --out DIR      # then --part 2, --part 3 (one call each)
+    python bench/gpu_proof.py --merge A.json B.json C.json --out DIR   # the parts in one file
+    python bench/gpu_proof.py --device cpu --tiny     # every part on tiny shapes (a test runs it)
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning
+import numpy as np
+import torch
+import yaml
+from bench_gpu import GPT2, TINY, decoding_figures, describe, training_figures
+
+from gptmini.analysis.evaluate import score_text
+from gptmini.generate.engine import Engine
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.model.flops import flops_per_token
+from gptmini.testing.device import check_device
+from gptmini.train.command import build_cli, fit
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_CONFIG = REPO / "configs" / "shakespeare-gpu.yaml"
+LLMC_TOKENS_PER_S, H100_BF16_PEAK = 470_000, 989.4e12
+"""llm.c's GPT-2 124M on one H100 SXM (140 ms per 524,288-token step on 8 of them), and
+that GPU's dense bf16 peak: MFU by the same formula as ours, for comparison."""
+TINY_RUN = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+            "--model.compile", "false", "--model.n_layers", "1", "--model.emb_dim", "32",
+            "--model.n_heads", "2", "--model.context_length", "32",
+            "--data.loader.batch_size", "4", "--data.loader.num_workers", "0",
+            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
+            "--checkpoint_every", "2", "--model.warmup_steps", "1"]
+"""What --tiny changes in the GPU config's runs: a CPU, no compiling, a tiny model."""
+
+
+@dataclass
+class Proof:
+    """What every item is given: where to run, how small, where to write, until when."""
+
+    device: torch.device
+    tiny: bool
+    out: Path
+    """The figures file's folder (the device tool's $OUT)."""
+    runs: Path
+    """Training runs' folder (checkpoints stay out of `out`)."""
+    deadline: float
+    """time.monotonic() at which the part's budget ends."""
+    run_steps: int
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def shape(self) -> dict:
+        return TINY if self.tiny else GPT2
+
+
+# --- part 1: correctness -------------------------------------------------------------------
+
+
+def gpu_tests(proof: Proof) -> dict:
+    """tests/test_gpu.py in a process of its own; counts and failures from its JUnit XML."""
+    xml, log = proof.out / "gpu_tests.xml", proof.out / "gpu_tests.log"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p",
+               "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", f"--junitxml={xml}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with log.open("w") as output:
+        subprocess.run(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                       timeout=max(proof.left(), 1))
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('name')}: {bad.get('message', '')[:200]}"
+              for case in suite.iter("testcase")
+              for bad in [*case.findall("failure"), *case.findall("error")]]
+    status = ("failed" if failed or counts["tests"] == 0 else
+              "skipped" if counts["skipped"] == counts["tests"] else "ok")
+    return {"status": status, **counts, "failed": failed,
+            "headline": f"{counts['tests'] - counts['skipped'] - len(failed)} passed, "
+                        f"{len(failed)} failed, {counts['skipped']} skipped (log: gpu_tests.log)"}
+
+
+def parity(proof: Proof) -> dict:
+    report = check_device(proof.device, (torch.float32, torch.bfloat16))
+    cases = [{"dtype": str(c.dtype).removeprefix("torch."), "backend": c.backend,
+              "passed": c.passed, "worst": c.worst, "tolerance": c.tolerance, "line": c.line()}
+             for c in report.cases]
+    passed = sum(c["passed"] for c in cases)
+    return {"status": "ok" if report.passed else "failed", "versions": report.versions,
+            "cases": cases, "headline": f"{passed} of {len(cases)} cases within tolerance "
+                                        "(forward, backward, an AdamW step against CPU float64)"}
+
+
+def train_args(proof: Proof, name: str, steps: int, *extra: str) -> list[str]:
+    """train.py's flags for a run of the GPU config under the proof's runs folder."""
+    return ["--config", str(GPU_CONFIG), "--trainer.default_root_dir", str(proof.runs),
+            "--run_name", name, "--trainer.max_steps", str(steps),
+            "--trainer.enable_progress_bar", "false", *(TINY_RUN if proof.tiny else []),
+            *extra]
+
+
+def fsdp(proof: Proof) -> dict:
+    """The GPU config under --trainer.strategy fsdp: N steps, then N more resumed from its
+    last.ckpt. Compiled as the config says; if that fails, again without compiling, so the
+    figures say which of the two breaks."""
+    steps = 2 if proof.tiny else 20
+    figures: dict = {}
+    for compiled in ("true", "false"):
+        shutil.rmtree(proof.runs / "fsdp", ignore_errors=True)
+        flags = ["--trainer.strategy", "fsdp", "--model.compile", compiled,
+                 "--checkpoint_every", str(steps), "--trainer.val_check_interval", str(steps)]
+        try:
+            first = build_cli(train_args(proof, "fsdp", steps, *flags))
+            fit(first)
+            last = proof.runs / "fsdp" / "checkpoints" / "last.ckpt"
+            again = build_cli(train_args(proof, "fsdp", 2 * steps, *flags, "--ckpt_path",
+                                         "last"))
+            fit(again)
+        except Exception as err:  # noqa: BLE001 - Lightning's refusal or a failure: both said
+            message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            if "fsdp" in str(err).lower() and proof.device.type == "cpu":
+                return {"status": "refused", "reason": message,
+                        "headline": f"Lightning refuses FSDP here: {message[:120]}"}
+            figures[f"compile_{compiled}_error"] = message
+            continue
+        loss = again.trainer.callback_metrics.get("train/loss")
+        return {**figures, "status": "ok", "compiled": compiled == "true",
+                "steps": again.trainer.global_step, "resumed_from_step": steps,
+                "checkpoint": "directory" if last.is_dir() else "file",
+                "final_train_loss": None if loss is None else float(loss),
+                "headline": f"{steps} steps, then resumed from last.ckpt ("
+                            f"{'a directory' if last.is_dir() else 'one file'}) to "
+                            f"{again.trainer.global_step}; compiled: {compiled}"}
+    return {**figures, "status": "failed", "headline": "FSDP failed compiled and not"}
+
+
+# --- part 2: bench_gpu.py, training and decoding -------------------------------------------
+
+
+def training(proof: Proof) -> dict:
+    figures = training_figures(proof.shape, proof.device,
+                               **(dict(batch=4, steps=3, warmup=1, tries=(4, 8)) if proof.tiny
+                                  else {}), deadline=proof.deadline - 150)  # decoding's
+    lit, plain = figures["lightning_mfu"], figures["plain_mfu"]
+    mfu = (f"MFU {lit:.1%} Lightning, {plain:.1%} plain (goal >= 45% Lightning; llm.c "
+           f"~{LLMC_TOKENS_PER_S * flops_per_token(GPTConfig(**GPT2)) / H100_BF16_PEAK:.0%})"
+           if lit and plain else "MFU unknown (no peak for this device)")
+    return {**figures, "status": "ok",
+            "headline": f"{figures['lightning_tokens_per_s']:,.0f} tokens/s Lightning, "
+                        f"{figures['plain_tokens_per_s']:,.0f} plain; {mfu}; peak "
+                        f"{figures['peak_memory_bytes'] / 2**30:.1f} GiB; largest micro-batch "
+                        f"{figures['largest_micro_batch']}"}
+
+
+def decoding(proof: Proof) -> dict:
+    figures = decoding_figures(proof.shape, proof.device, new_tokens=8 if proof.tiny else 128,
+                               deadline=proof.deadline - 120)  # compiling takes minutes
+    eager = figures["eager_tokens_per_s"]
+    compiled = figures.get("compiled_tokens_per_s")
+    return {**figures, "status": "ok",
+            "headline": f"eager {eager['1']:,.0f} tokens/s at batch 1, {eager['64']:,.0f} at 64"
+                        + (f"; compiled {compiled['1']:,.0f} and {compiled['64']:,.0f}"
+                           if compiled else "")}
+
+
+# --- part 3: the default run on the GPU, the engine ----------------------------------------
+
+
+def default_run(proof: Proof) -> dict:
+    """The GPU config for --run_steps steps (stopped early by the budget, if need be, which
+    the figures then say), then bits per byte over its whole validation split."""
+    shutil.rmtree(proof.runs / "default-run", ignore_errors=True)
+    seconds = int(proof.left() - (10 if proof.tiny else 90))  # the engine's time
+    if seconds < 30:
+        return {"status": "out of time", "headline": f"{seconds} s left: not started"}
+    stop = f"00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    start = time.perf_counter()
+    cli = build_cli(train_args(proof, "default-run", proof.run_steps, "--trainer.max_time",
+                               stop))
+    fit(cli)
+    took = time.perf_counter() - start
+    trained = cli.model.model  # compiled in place: score a plain copy (no recompiling)
+    model = GPTModel(cli.model.cfg)
+    model.load_state_dict(trained.state_dict())
+    model = model.to(cli.model.device).eval()
+    tokens = np.asarray(cli.datamodule.val_dataset.tokens)
+    score = score_text(model, cli.model.tokenizer, tokens,
+                       batch_size=4 if proof.tiny else 64, progress=False)
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()
+               if k in ("val/bpb", "val/loss", "train/tokens_per_sec", "train/mfu")}
+    steps = cli.trainer.global_step
+    return {"status": "ok" if steps == proof.run_steps else "out of time",
+            "steps": steps, "steps_asked": proof.run_steps, "seconds": took,
+            "val_bpb_whole_split": score.bpb, "val_loss_whole_split": score.loss,
+            "val_tokens": score.tokens, "last_logged": metrics,
+            "headline": f"{steps} of {proof.run_steps} steps in {took:.0f} s; "
+                        f"{score.bpb:.4f} bits per byte on the whole validation split"}
+
+
+def engine(proof: Proof) -> dict:
+    """256 requests whose prompts share a prefix, greedy, through the engine at batch 64,
+    against one such request alone; the prefix's blocks are computed once and reused."""
+    cfg = GPTConfig(**proof.shape)
+    dtype = torch.bfloat16 if proof.device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = GPTModel(cfg).to(proof.device, dtype).eval()
+    prefix_len, own_len, new = (16, 4, 4) if proof.tiny else (512, 64, 128)
+    rng = random.Random(0)
+
+    def prompt(prefix: list[int]) -> list[int]:
+        return prefix + [rng.randrange(cfg.vocab_size) for _ in range(own_len)]
+
+    shared = [rng.randrange(cfg.vocab_size) for _ in range(prefix_len)]
+    prompts = [prompt(shared) for _ in range(256)]
+    rates = {}
+    for batch in (1, 64):
+        run = Engine(model, max_batch=batch)
+        run.generate([prompt([1] * prefix_len)], max_new_tokens=2)  # warm-up
+        before = run.num_prefilled
+        todo = prompts[:1] if batch == 1 else prompts
+        if proof.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        done = run.generate(todo, max_new_tokens=new, temperature=0.0)
+        if proof.device.type == "cuda":
+            torch.cuda.synchronize()
+        rates[batch] = len(todo) * new / (time.perf_counter() - start)
+        assert all(len(r.tokens) == new for r in done), "a request stopped early"
+    prefilled = run.num_prefilled - before  # of the 256, at batch 64
+    asked = sum(len(p) for p in prompts)
+    return {"status": "ok", "requests": len(prompts), "prefix_tokens": prefix_len,
+            "prompt_tokens": asked, "prefilled_tokens": prefilled,
+            "prefix_reuse": 1 - prefilled / asked, "new_tokens_each": new,
+            "dtype": str(dtype).removeprefix("torch."),
+            "tokens_per_s_batch_1": rates[1], "tokens_per_s_batch_64": rates[64],
+            "batch_64_vs_1": rates[64] / rates[1],
+            "headline": f"{rates[64]:,.0f} tokens/s at batch 64 against {rates[1]:,.0f} "
+                        f"alone ({rates[64] / rates[1]:.1f}x); {prefilled:,} of {asked:,} "
+                        "prompt tokens computed (the rest from cached prefix blocks)"}
+
+
+PARTS: dict[int, tuple[Callable[[Proof], dict], ...]] = {
+    1: (parity, gpu_tests, fsdp), 2: (training, decoding), 3: (default_run, engine)}
+
+
+# --- the figures file ----------------------------------------------------------------------
+
+
+def machine(device: torch.device) -> dict:
+    return {"device": describe(device), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "lightning": lightning.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def write(figures: dict, out: Path) -> None:
+    """gpu_proof.json, and gpu_proof.md: one table row per item, with its headline."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_proof.json").write_text(json.dumps(figures, indent=2) + "\n")
+    m = figures["machine"]
+    lines = [f"# GPU proof: {m['device']}", "",
+             f"torch {m['torch']} (CUDA {m['cuda']}), Lightning {m['lightning']}, Python "
+             f"{m['python']}, {m['date']}; tiny shapes: {figures['tiny']}", "",
+             "| part | item | status | seconds | figures |", "| --- | --- | --- | --- | --- |"]
+    for name, item in figures["items"].items():
+        said = item.get("headline") or item.get("error", "")
+        lines.append(f"| {item['part']} | {name} | {item['status']} | {item['seconds']:.0f} | "
+                     f"{said} |")
+    (out / "gpu_proof.md").write_text("\n".join(lines) + "\n")
+
+
+def run_parts(proof: Proof, parts: list[int]) -> dict:
+    proof.out.mkdir(parents=True, exist_ok=True)
+    figures = {"machine": machine(proof.device), "tiny": proof.tiny, "parts": parts,
+               "reference": {"llmc_tokens_per_s_per_h100": LLMC_TOKENS_PER_S,
+                             "llmc_mfu_same_formula": LLMC_TOKENS_PER_S * flops_per_token(
+                                 GPTConfig(**GPT2)) / H100_BF16_PEAK},
+               "items": {}}
+    for part in parts:
+        for item in PARTS[part]:
+            name, start = item.__name__, time.monotonic()
+            print(f"\n=== part {part}: {name} ({proof.left():.0f} s left)", flush=True)
+            result = run_item(item, proof) if proof.left() > 0 else {"status": "out of time"}
+            result = {"part": part, **result, "seconds": time.monotonic() - start}
+            figures["items"][name] = result
+            print(f"=== {name}: {result['status']}: {result.get('headline', '')}", flush=True)
+            write(figures, proof.out)
+    return figures
+
+
+def run_item(item: Callable[[Proof], dict], proof: Proof) -> dict:
+    """An item's figures; a failure is said in them (with the traceback on stderr), and the
+    next item starts from a clean slate."""
+    try:
+        return item(proof)
+    except subprocess.TimeoutExpired:
+        return {"status": "out of time"}
+    except Exception as err:  # noqa: BLE001 - said in the file; the next item runs
+        traceback.print_exc()
+        lines = str(err).strip().splitlines() or [""]
+        return {"status": "error", "error": f"{type(err).__name__}: {lines[0][:300]}"}
+    finally:
+        gc.collect()
+        torch._dynamo.reset()  # each item compiles afresh, within dynamo's cache limits
+        if proof.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def merge(paths: list[Path], out: Path) -> dict:
+    """The parts' files (one per call) as one file: items and parts together."""
+    files = [json.loads(p.read_text()) for p in paths]
+    figures = {**files[0], "parts": sorted({p for f in files for p in f["parts"]}),
+               "items": {k: v for f in files for k, v in f["items"].items()}}
+    write(figures, out)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", type=int, nargs="+", choices=sorted(PARTS),
+                        default=sorted(PARTS), help="which parts (default: all)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test)")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-proof",
+                        help="folder of gpu_proof.json and .md")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "gpu-proof",
+                        help="folder of the training runs' checkpoints")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for all the parts asked (one 10-minute call: 480)")
+    parser.add_argument("--run_steps", type=int, default=None,
+                        help="the default run's steps (default: the GPU config's, 5000; 4 "
+                             "with --tiny)")
+    parser.add_argument("--merge", type=Path, nargs="+", help="gpu_proof.json files to merge")
+    args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.out)
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_proof.py: --device {args.device}: no CUDA GPU here (torch "
+              f"{torch.__version__}); use --device cpu --tiny to smoke-test", file=sys.stderr)
+        return 2
+    steps = args.run_steps or (4 if args.tiny else
+                               yaml.safe_load(GPU_CONFIG.read_text())["trainer"]["max_steps"])
+    proof = Proof(device, args.tiny, args.out, args.runs, time.monotonic() + args.budget, steps)
+    figures = run_parts(proof, sorted(set(args.part)))
+    bad = [k for k, v in figures["items"].items() if v["status"] in ("failed", "error")]
+    print(f"\nfigures: {args.out / 'gpu_proof.md'}" + (f"; not ok: {bad}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
