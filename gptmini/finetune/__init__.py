@@ -1,0 +1,1 @@
+"""Fine-tuning: chat templates and the assistant's loss mask (chat.py)."""
