@@ -34,7 +34,7 @@ from gptmini.model.flops import num_parameters
 from gptmini.serve.schema import APIError
 from gptmini.tokenizer import encode_prompt
 
-__all__ = ["WEB", "PageState", "checkpoint_panel", "router"]
+__all__ = ["WEB", "PageState", "checkpoint_panel", "parameter_parts", "router"]
 
 WEB = Path(__file__).parent / "web"
 """The page's files, shipped in the package."""
@@ -51,13 +51,34 @@ class PageState:
     roles_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def parameter_parts(model) -> dict[str, int]:
+    """Where a `GPTModel`'s parameters are, each counted once: the token embedding, the
+    position embedding (0 where positions are not embedded), the output head (0 when it is
+    the token embedding, tied) and everything else (the blocks and the final norm)."""
+    total = sum(p.numel() for p in model.parameters())  # a shared tensor is listed once
+    embedding = model.position_scheme.embedding
+    parts = {"token_embedding": model.tok_emb.weight.numel(),
+             "position_embedding": 0 if embedding is None
+             else sum(p.numel() for p in embedding.parameters()),
+             "output_head": 0 if model.out_head.weight is model.tok_emb.weight
+             else model.out_head.weight.numel()}
+    return {"blocks": total - sum(parts.values()), **parts}
+
+
 def checkpoint_panel(model, tokenizer, path: str | Path | None = None,
                      hparams: dict | None = None) -> dict:
-    """What the page's checkpoint panel shows (GET /gptmini/checkpoint)."""
+    """What the page's checkpoint panel shows (GET /gptmini/checkpoint).
+
+    `parameters` counts a tied head once; `non_embedding_parameters` is nanoGPT's count
+    (a tied token embedding stays, being also the head); `parameter_parts` splits the
+    total, and `tied_weights` says whether the head is the token embedding.
+    """
     hparams = hparams or {}
     panel = {"path": None if path is None else str(path),
              "settings": model.cfg.to_dict(), "parameters": num_parameters(model),
              "non_embedding_parameters": num_parameters(model, non_embedding=True),
+             "parameter_parts": parameter_parts(model),
+             "tied_weights": model.out_head.weight is model.tok_emb.weight,
              "tokenizer": {"name": str(hparams.get("tokenizer", tokenizer.name)),
                            "n_vocab": tokenizer.n_vocab},
              "steps": None, "val_bpb": None, "val_loss": None, "curves": {}, "run_dir": None}

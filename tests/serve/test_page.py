@@ -21,7 +21,7 @@ from gptmini.checkpoint import load_checkpoint  # noqa: E402
 from gptmini.generate.engine import Engine  # noqa: E402
 from gptmini.model import GPTConfig, GPTModel  # noqa: E402
 from gptmini.serve.app import create_app  # noqa: E402
-from gptmini.serve.page import checkpoint_panel  # noqa: E402
+from gptmini.serve.page import checkpoint_panel, parameter_parts  # noqa: E402
 from gptmini.tokenizer import byte_tokenizer  # noqa: E402
 
 ENC = byte_tokenizer()
@@ -195,3 +195,21 @@ def test_checkpoint_panel_and_head_roles(served, run):
     assert roles == json.loads(json.dumps(head_roles(model).to_dict()))
     alone = checkpoint_panel(model, ENC)  # no path: settings alone
     assert alone["steps"] is None and alone["curves"] == {}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_parameter_parts_count_a_tied_head_once_and_say_so(tied, position):
+    cfg = GPTConfig(vocab_size=64, context_length=16, emb_dim=16, n_heads=2, n_layers=2,
+                    tie_weights=tied, position=position)
+    model = GPTModel(cfg)
+    blocks = sum(p.numel() for name, p in model.named_parameters()
+                 if name.startswith(("trf_blocks.", "final_norm.")))
+    table = cfg.vocab_width * cfg.emb_dim  # from the settings, not from the module
+    assert parameter_parts(model) == {
+        "blocks": blocks, "token_embedding": table,
+        "position_embedding": cfg.context_length * cfg.emb_dim if position == "learned" else 0,
+        "output_head": 0 if tied else table}
+    panel = checkpoint_panel(model, ENC)
+    assert panel["tied_weights"] is tied
+    assert sum(panel["parameter_parts"].values()) == panel["parameters"]

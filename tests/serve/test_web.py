@@ -20,7 +20,9 @@ playwright_api = pytest.importorskip("playwright.sync_api",
 
 import test_page  # noqa: E402
 from helpers import start_serve_py  # noqa: E402
-from test_page import ENC, KEY, WINDOW  # noqa: E402
+from test_page import ENC, KEY, WINDOW, by_hand_first_layer  # noqa: E402
+
+from gptmini.serve.page import parameter_parts  # noqa: E402
 
 run, served = test_page.run, test_page.served  # the page's fixtures: a run and its server
 
@@ -143,6 +145,128 @@ def test_bad_inputs_show_a_message(served, page):
     page.wait_for_selector("body[data-attention-tokens='13']")
     assert page.locator("#tokens .chip").count() == 13 and page.is_hidden("#message")
     assert page.locator("#candidates tr.candidate").count() == 10  # after the last token
+
+
+def inspect(page, url: str, text: str) -> list[int]:
+    """Open the page and inspect `text` (no generation): its token ids."""
+    open_page(page, url)
+    page.fill("#prompt", text)
+    page.click("#inspect")
+    ids = ENC.encode(text)
+    page.wait_for_selector(f"body[data-attention-tokens='{len(ids)}']")
+    return ids
+
+
+def drawn_lines(page) -> dict[tuple[int, int, int], float]:
+    """The head view's lines: (head, query, key) -> stroke opacity."""
+    rows = page.eval_on_selector_all("#headview line", "ls => ls.map(l => [l.dataset.head, "
+                                     "l.dataset.query, l.dataset.key, "
+                                     "l.getAttribute('stroke-opacity')])")
+    return {(int(h), int(i), int(j)): float(w) for h, i, j, w in rows}
+
+
+def on_lines(page) -> set[tuple[int, int, int]]:
+    """The lines kept while a token is hovered: (head, query, key)."""
+    return set(map(tuple, page.eval_on_selector_all(
+        "#headview line.on", "ls => ls.map(l => [+l.dataset.head, +l.dataset.query, "
+        "+l.dataset.key])")))
+
+
+def marked(page, selector: str) -> list[int]:
+    return sorted(page.eval_on_selector_all(selector, "gs => gs.map(g => +g.dataset.index)"))
+
+
+def test_head_view_lines_follow_the_weights_per_head_both_ways(served, page):
+    url, model = served
+    ids = inspect(page, url, "To be, or not")
+    assert page.inner_text("#status") == "the prompt's 13 tokens inspected"
+    page.click("#tabs button[data-view=headview]")
+    assert page.is_hidden("#grid") and page.is_visible("#headview svg.hv")
+    by_hand = by_hand_first_layer(model, ids).numpy()  # (n_heads, num_tokens, num_tokens)
+    expected = {(h, i, j): by_hand[h, i, j] for h, i, j in zip(*np.nonzero(by_hand >= 0.01),
+                                                                strict=True)}
+    lines = drawn_lines(page)
+    assert lines.keys() == expected.keys()  # one line per head and open pair, the window's
+    assert len(lines) == 2 * sum(min(i + 1, WINDOW) for i in range(len(ids)))
+    assert np.allclose([lines[k] for k in expected], list(expected.values()), atol=2e-3)
+
+    page.click(".hv-head[data-head='1']")  # head 1 off: only head 0's lines stay
+    assert drawn_lines(page).keys() == {k for k in expected if k[0] == 0}
+    assert "off" in page.get_attribute(".hv-head[data-head='1']", "class")
+    page.click(".hv-head[data-head='1']")
+    assert drawn_lines(page).keys() == expected.keys()
+
+    key = 5  # hovering a key: the queries that attend to it, query 5 to 5 + WINDOW - 1
+    page.hover(f"#headview g.token.key[data-index='{key}']")
+    queries = list(range(key, key + WINDOW))
+    assert on_lines(page) == {(h, i, key) for h in (0, 1) for i in queries}
+    assert marked(page, "#headview g.token.query.linked") == queries
+    hidden = page.eval_on_selector("#headview line:not(.on)", "l => getComputedStyle(l).display")
+    assert hidden == "none"
+    query = 8  # hovering a query: the keys it attends to
+    page.hover(f"#headview g.token.query[data-index='{query}']")
+    assert on_lines(page) == {(h, query, j) for h in (0, 1) for j in range(3, 9)}
+    assert marked(page, "#headview g.token.key.linked") == list(range(3, 9))
+
+    page.select_option(".hv-layer", "1")  # the head view's layer is the page's
+    assert page.input_value("#layer") == "1"
+    weights, _ = weights_of(url, ids)
+    lines = drawn_lines(page)
+    assert np.allclose([w for w in lines.values()], [weights[1][k] for k in lines], atol=2e-3)
+
+
+def test_model_view_legend_and_the_small_flaws(served, page):
+    url, model = served
+    ids = inspect(page, url, "To be, or not")
+    info = page.inner_text("#checkpoint")
+    parts = [f"{n:,}" for n in parameter_parts(model).values() if n]
+    assert all(p in info for p in parts) and "output head (untied)" in info
+    tied = page.evaluate("async () => (await import('/web/panels.js')).parametersText("
+                         "{parameters: 7520, tied_weights: true, parameter_parts: {blocks: "
+                         "6496, token_embedding: 1024, position_embedding: 0, output_head: 0}})")
+    assert tied == ("7,520: 6,496 in the blocks and final norm, 1,024 in the token embedding "
+                    "(tied: it is also the output head)")
+    assert page.locator("#curves text.tick.step").count() == 3  # the axes: steps and losses
+    assert page.locator("#curves text.tick.loss").count() == 3
+    assert page.locator("#curves text.axis-label").all_text_contents() == ["step", "loss"]
+
+    assert page.is_visible("#legend") and "largest weight" in page.inner_text("#legend")
+    query = len(ids) - 1  # scaled by the row's largest weight, its largest key is full colour
+    page.hover(f"#tokens .chip[data-index='{query}']")
+    shades = page.eval_on_selector_all(
+        "#tokens .chip", "cs => cs.map(c => +c.style.getPropertyValue('--w'))")
+    assert max(shades) == 1.0
+    page.select_option("#scale", "weight")
+    assert "weight" in page.inner_text("#legend") and "largest" not in page.inner_text("#legend")
+    plain = page.eval_on_selector_all(
+        "#tokens .chip", "cs => cs.map(c => [+c.style.getPropertyValue('--w'), "
+        "+c.dataset.weight])")
+    assert all(abs(s - w) < 2e-3 for s, w in plain)  # the weight itself
+
+    visible = page.evaluate(
+        "async () => (await import('/web/tokens.js')).visibleText('a  b\\r')")
+    assert visible == "a\u2423\u2423b\u240d"  # two spaces, two marks; a carriage return
+    assert page.eval_on_selector("#candidates td.name",
+                                 "td => getComputedStyle(td).whiteSpace") == "pre"
+
+    page.click("#tabs button[data-view=modelview]")
+    cells = page.locator("#modelview td.mv-cell")
+    assert cells.count() == 2 * 2  # layers x heads
+    page.click("#modelview td.mv-cell[data-layer='1'][data-head='0']")
+    large = page.locator("#modelview .large-map[data-layer='1'][data-head='0']")
+    assert large.count() == 1
+    assert page.input_value("#layer") == "1" and page.input_value("#head") == "0"
+    names = [ENC.decode([t]).replace(" ", "\u2423") for t in ids]
+    assert large.locator(".label.query").all_inner_texts() == names
+    assert large.locator(".label.key").all_inner_texts() == names
+    large.locator("canvas").scroll_into_view_if_needed()
+    box = large.locator("canvas").bounding_box()
+    cell = box["width"] / len(ids)
+    page.mouse.move(box["x"] + 2.5 * cell, box["y"] + 7.5 * cell)  # query 7, key 2
+    weights, _ = weights_of(url, ids)
+    caption = large.locator(".caption").inner_text()
+    assert "query 7" in caption and "key 2" in caption
+    assert float(caption.rsplit("weight ", 1)[1]) == pytest.approx(weights[1, 0, 7, 2], abs=2e-3)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,14 @@
 // gptmini's page: streams a completion from /v1/completions, shows every token as a chip,
 // and draws what a token attends to (/gptmini/attention), the model's next-token
-// candidates, every head of a layer, the checkpoint and the heads' roles. Plain JavaScript,
-// no build step, nothing fetched from elsewhere.
-import { allowed, decodeAttention, headImage, weight } from "./weights.js";
+// candidates, and the attention in three views (the maps of a layer's heads, bertviz's head
+// view, the model view), the checkpoint and the heads' roles. Plain JavaScript, no build
+// step, nothing fetched from elsewhere; one module per view.
+import { allowed, decodeAttention, rowMax, SCALES, shade, weight } from "./weights.js";
 import { showCheckpoint, showRoles } from "./panels.js";
+import { chipText, visibleText } from "./tokens.js";
+import { smallMap } from "./maps.js";
+import { HeadView } from "./headview.js";
+import { ModelView } from "./modelview.js";
 
 const $ = (id) => document.getElementById(id);
 const view = {
@@ -11,6 +16,8 @@ const view = {
   streamed: [],      // per generated token: {token, logprob, top: {name: logprob}}
   attention: null,   // the last /gptmini/attention answer, decoded
   selected: -1, pinned: -1, layer: 0, head: "avg",
+  scale: "row",      // the colour scale (weights.js's SCALES)
+  tab: "maps",       // the view under the candidates: maps, headview or modelview
   controller: null, fetching: false, stale: false,
   timings: {},
 };
@@ -64,10 +71,6 @@ function renderTokens() {
   }
 }
 
-function chipText(name) {  // "bytes:\xe2" (part of a character) shows as \xe2
-  return name.replace(/^bytes:/, "").replace(/\n/g, "\u21b5\n").replace(/\t/g, "\u2192");
-}
-
 // The prompt's chips take their names from the attention answer (the stream names only
 // the generated tokens).
 function relabel(a) {
@@ -91,6 +94,7 @@ function drawSelection() {
   const started = performance.now();
   const a = view.attention, i = view.selected;
   const chips = $("tokens").children;
+  const most = a && i >= 0 && i < a.num_tokens ? rowMax(a, view.layer, view.head, i) : 0;
   for (let j = 0; j < chips.length; j++) {
     const chip = chips[j];
     chip.classList.toggle("selected", j === i);
@@ -98,12 +102,12 @@ function drawSelection() {
     const open = known && allowed(a, i, j);
     chip.classList.toggle("masked", known && !open);
     const w = open ? weight(a, view.layer, view.head, i, j) : 0;
-    chip.style.setProperty("--w", known ? Math.min(1, Math.sqrt(w)).toFixed(3) : "0");
+    chip.style.setProperty("--w", known ? shade(w, most, view.scale).toFixed(3) : "0");
     chip.dataset.weight = known ? w.toFixed(6) : "";
     chip.title = known ? `${open ? "weight " + w.toFixed(4) : "masked"} (query ${i}, key ${j})` : "";
   }
   renderCandidates();
-  drawGrid();
+  drawViews();
   view.timings.drawMs = performance.now() - started;
 }
 
@@ -141,7 +145,10 @@ function renderCandidates() {
     const actual = row.id === null ? row.name === view.names[i + 1] : row.id === next;
     tr.className = "candidate" + (actual ? " actual" : "");
     tr.dataset.logprob = row.lp;
-    tr.insertCell().textContent = JSON.stringify(row.name);
+    const name = tr.insertCell();  // spaces as marks: "  " and " " must not look alike
+    name.className = "name";
+    name.textContent = visibleText(row.name);
+    name.title = JSON.stringify(row.name);
     tr.insertCell().textContent = `${(100 * p).toFixed(2)}%`;
     const bar = document.createElement("span");
     bar.className = "bar";
@@ -151,24 +158,42 @@ function renderCandidates() {
   box.append(caption, table);
 }
 
-// --- every head of the layer -------------------------------------------------------------
+// --- the views: every head of the layer, the head view, the model view ---------------
+
+const headView = new HeadView($("headview-body"), (l) => openHead(l, view.head));
+const modelView = new ModelView($("modelview-body"), (l, h) => openHead(l, h));
+
+// Only the view on show is drawn (the others wait until their tab is opened).
+function drawViews() {
+  for (const tab of document.querySelectorAll("#tabs button")) {
+    const on = tab.dataset.view === view.tab;
+    tab.classList.toggle("current", on);
+    $(tab.dataset.view).hidden = !on;
+  }
+  const a = view.attention;
+  if (view.tab === "maps") drawGrid();
+  else if (a && view.tab === "headview") headView.show(a, view.layer, view.version);
+  else if (a && view.tab === "modelview") modelView.show(a, view.scale, view.version);
+}
 
 function drawGrid() {
   const a = view.attention, box = $("grid");
   if (!a) { box.replaceChildren(); return; }
   if (box.children.length !== a.n_heads || box.dataset.tokens !== String(a.num_tokens)
-      || box.dataset.layer !== String(view.layer) || box.dataset.values !== view.version) {
+      || box.dataset.layer !== String(view.layer) || box.dataset.values !== view.version
+      || box.dataset.scale !== view.scale) {
     box.replaceChildren();
     for (let h = 0; h < a.n_heads; h++) box.appendChild(headCanvas(a, h));
     box.dataset.tokens = a.num_tokens;
     box.dataset.layer = view.layer;
     box.dataset.values = view.version;
+    box.dataset.scale = view.scale;
   }
   for (const cell of box.children) {
     const h = Number(cell.dataset.head);
     cell.classList.toggle("current", view.head === h);
     const canvas = cell.querySelector("canvas"), ctx = canvas.getContext("2d");
-    ctx.putImageData(cell.image, 0, 0);
+    ctx.putImageData(canvas.image, 0, 0);
     if (view.selected >= 0 && view.selected < a.num_tokens) {
       ctx.fillStyle = "rgba(0, 90, 255, 0.35)";
       ctx.fillRect(0, view.selected, a.num_tokens, 1);
@@ -177,18 +202,19 @@ function drawGrid() {
 }
 
 function headCanvas(a, h) {
-  const n = a.num_tokens, cell = document.createElement("div");
+  const cell = document.createElement("div");
   cell.className = "head";
   cell.dataset.head = h;
-  const canvas = document.createElement("canvas");
-  canvas.width = n;
-  canvas.height = n;
-  cell.image = headImage(a, view.layer, h);
   const label = document.createElement("div");
   label.textContent = `L${view.layer} H${h}`;
-  cell.append(canvas, label);
+  cell.append(smallMap(a, view.layer, h, view.scale, $("grid-caption")), label);
   cell.addEventListener("click", () => { view.head = h; $("head").value = String(h); drawSelection(); });
   return cell;
+}
+
+function showLegend() {
+  $("legend-scale").textContent = SCALES[view.scale];
+  $("legend-top").textContent = view.scale === "row" ? "its largest" : "1";
 }
 
 // --- attention of the text so far --------------------------------------------------------
@@ -242,6 +268,7 @@ async function inspectPrompt() {
     $("tokens").replaceChildren();
     renderTokens();
     show(data, started);
+    $("status").textContent = `the prompt's ${data.num_tokens} tokens inspected`;
     setState("done");
   } catch (err) {
     message(err.message);
@@ -288,8 +315,9 @@ async function generate(event) {
   Object.assign(view, { ids: [], names: [], streamed: [], promptLength: 0, attention: null,
                         selected: -1, pinned: -1 });
   $("tokens").replaceChildren();
+  $("status").textContent = "";
   renderCandidates();
-  drawGrid();
+  drawViews();
   setState("streaming");
   $("generate").disabled = true;
   $("stop").disabled = false;
@@ -389,5 +417,10 @@ $("head").addEventListener("change", () => {
   view.head = value === "avg" ? "avg" : Number(value);
   drawSelection();
 });
+$("scale").addEventListener("change", () => { view.scale = $("scale").value; showLegend(); drawSelection(); });
+for (const tab of document.querySelectorAll("#tabs button")) {
+  tab.addEventListener("click", () => { view.tab = tab.dataset.view; drawViews(); });
+}
 $("api_key").addEventListener("change", loadPanels);
+showLegend();
 loadPanels();

@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 export function showCheckpoint(info) {
   $("model-name").textContent = info.model ? `: ${info.model}` : "";
   const s = info.settings, rows = [
-    ["parameters", `${info.parameters.toLocaleString()} (${info.non_embedding_parameters.toLocaleString()} without embeddings)`],
+    ["parameters", parametersText(info)],
     ["layers x heads", `${s.n_layers} x ${s.n_heads}, emb ${s.emb_dim}, context ${s.context_length}`],
     ["attention", `${s.position} positions${s.window_size ? `, window ${s.window_size}` : ""}, ${s.norm}, ${s.mlp}`],
     ["tokenizer", `${info.tokenizer.name} (${info.tokenizer.n_vocab.toLocaleString()} ids)`],
@@ -30,6 +30,38 @@ export function showCheckpoint(info) {
   drawCurves(info.curves || {});
 }
 
+// "4,262,656: 3,214,080 in the blocks, 1,048,576 in the token embedding (tied: it is also
+// the output head)": each part counted once, so a tied head is said, not hidden.
+export function parametersText(info) {
+  const n = (x) => x.toLocaleString(), parts = info.parameter_parts;
+  if (!parts) return n(info.parameters);  // a server from before the parts
+  const text = [`${n(parts.blocks)} in the blocks and final norm`,
+                `${n(parts.token_embedding)} in the token embedding` +
+                (info.tied_weights ? " (tied: it is also the output head)" : "")];
+  if (parts.position_embedding) text.push(`${n(parts.position_embedding)} in the position embedding`);
+  if (!info.tied_weights) text.push(`${n(parts.output_head)} in the output head (untied)`);
+  return `${n(info.parameters)}: ${text.join(", ")}`;
+}
+
+function svgText(svg, text, attributes) {
+  const t = document.createElementNS(svg.namespaceURI, "text");
+  Object.entries({ "font-size": 10, ...attributes }).forEach(([k, v]) => t.setAttribute(k, v));
+  t.textContent = text;
+  svg.appendChild(t);
+  return t;
+}
+
+function svgLine(svg, x1, y1, x2, y2, className) {
+  const line = document.createElementNS(svg.namespaceURI, "line");
+  Object.entries({ x1, y1, x2, y2, stroke: "#999", class: className })
+    .forEach(([k, v]) => line.setAttribute(k, v));
+  svg.appendChild(line);
+}
+
+// The loss curves in the 320 x 160 box: the plot from (X0, Y1) to (X1, Y0), with a step
+// axis under it and a loss axis left of it, three ticks each.
+const [X0, X1, Y0, Y1] = [42, 310, 8, 128];
+
 function drawCurves(curves) {
   const svg = $("curves"), names = Object.keys(curves).filter((n) => n.endsWith("loss"));
   svg.replaceChildren();
@@ -42,10 +74,25 @@ function drawCurves(curves) {
   if (!names.length) { note("no loss curves: the run directory is not beside the checkpoint"); return; }
   const all = names.flatMap((n) => curves[n].values), steps = names.flatMap((n) => curves[n].steps);
   const [lo, hi] = [Math.min(...all), Math.max(...all)], last = Math.max(...steps, 1);
+  const x = (step) => X0 + ((X1 - X0) * step) / last;
+  const y = (loss) => Y1 - ((Y1 - Y0) * (loss - lo)) / (hi - lo || 1);
+  svgLine(svg, X0, Y1, X1, Y1, "axis");
+  svgLine(svg, X0, Y0, X0, Y1, "axis");
+  for (const step of [0, Math.round(last / 2), last]) {
+    svgLine(svg, x(step), Y1, x(step), Y1 + 3, "tick");
+    svgText(svg, step.toLocaleString(), { x: x(step), y: Y1 + 13, "text-anchor": "middle", class: "tick step" });
+  }
+  for (const loss of [lo, (lo + hi) / 2, hi]) {
+    svgLine(svg, X0 - 3, y(loss), X0, y(loss), "tick");
+    svgText(svg, loss.toFixed(2), { x: X0 - 5, y: y(loss) + 3, "text-anchor": "end", class: "tick loss" });
+  }
+  svgText(svg, "step", { x: (X0 + X1) / 2, y: 157, "text-anchor": "middle", class: "axis-label" });
+  svgText(svg, "loss", { x: 10, y: (Y0 + Y1) / 2, "text-anchor": "middle", class: "axis-label",
+                         transform: `rotate(-90 10 ${(Y0 + Y1) / 2})` });
   const colors = { "train/loss": "#69c", "val/loss": "#e60" };
   names.forEach((name, k) => {
     const c = curves[name];
-    const points = c.steps.map((s, i) => `${10 + (300 * s) / last},${150 - (130 * (c.values[i] - lo)) / (hi - lo || 1)}`);
+    const points = c.steps.map((s, i) => `${x(s)},${y(c.values[i])}`);
     const line = document.createElementNS(svg.namespaceURI, "polyline");
     line.setAttribute("points", points.join(" "));
     line.setAttribute("fill", "none");
@@ -53,7 +100,7 @@ function drawCurves(curves) {
     line.setAttribute("class", "curve");
     svg.appendChild(line);
     const t = document.createElementNS(svg.namespaceURI, "text");
-    Object.entries({ x: 200, y: 14 + 13 * k, "font-size": 11, fill: colors[name] || "#333" })
+    Object.entries({ x: 200, y: 16 + 13 * k, "font-size": 11, fill: colors[name] || "#333" })
       .forEach(([key, v]) => t.setAttribute(key, v));
     t.textContent = `${name} ${c.values[c.values.length - 1].toFixed(3)}`;
     svg.appendChild(t);

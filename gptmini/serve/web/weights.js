@@ -1,5 +1,6 @@
 // The answer of /gptmini/attention, decoded: float16 (or uint8, or lists) weights of the
-// lower triangle, the mask's bits, and one head's map as an image.
+// lower triangle, the mask's bits, the colour scale every view shares, and one head's map
+// as an image.
 
 
 function halfToFloat(bits) {
@@ -49,17 +50,38 @@ export function allowed(a, i, j) {
   return ((a.maskBits[k >> 3] >> (7 - (k & 7))) & 1) === 1;
 }
 
-// Layer l, head h as an n x n image: darker = more weight, grey = masked.
-export function headImage(a, l, h) {
-  const n = a.num_tokens, image = new ImageData(n, n);
+// The colour scale, one for chips, maps and the legend: white (0) to orange (1). "row"
+// divides a weight by the largest weight its query gives any key, so a query spread
+// evenly over many keys still shows (layer 0's average is near uniform: 1/n per key would
+// be almost white); "weight" shows the weight itself.
+export const SCALES = { row: "share of the query's largest weight", weight: "weight" };
+export const ORANGE = [230, 110, 0];
+
+export function rowMax(a, l, h, i) {
+  let most = 0;
+  for (let j = 0; j <= i; j++) if (allowed(a, i, j)) most = Math.max(most, weight(a, l, h, i, j));
+  return most;
+}
+
+// How strongly (0..1) to colour weight w of query i under `scale`; `most` is rowMax.
+export function shade(w, most, scale) {
+  if (scale === "weight") return Math.min(1, w);
+  return most > 0 ? Math.min(1, w / most) : 0;
+}
+
+// Layer l, head h as an n x n image (row = query, column = key): more weight is more
+// orange, grey is masked.
+export function headImage(a, l, h, scale = "row") {
+  const n = a.num_tokens, image = new ImageData(n, n), [r, g, b] = ORANGE;
   for (let i = 0; i < n; i++) {
+    const most = scale === "row" ? rowMax(a, l, h, i) : 1;
     for (let j = 0; j < n; j++) {
       const p = 4 * (i * n + j);
       if (!allowed(a, i, j)) {
         image.data.set([225, 225, 225, 255], p);
       } else {
-        const w = Math.sqrt(weight(a, l, h, i, j));
-        image.data.set([255 - 25 * w, 255 - 145 * w, 255 - 255 * w, 255], p);
+        const s = shade(weight(a, l, h, i, j), most, scale);
+        image.data.set([255 - (255 - r) * s, 255 - (255 - g) * s, 255 - (255 - b) * s, 255], p);
       }
     }
   }
