@@ -203,3 +203,24 @@ def test_a_pretrained_model_without_chat_tokens_chats_through_the_books_prompt()
     assert events[0]["prompt_token_ids"] == ids
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Yes"
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("template", [GPTMINI, BOOK], ids=["gptmini", "book"])
+@pytest.mark.parametrize("vocabulary", ["gpt2", "byte"])
+def test_a_turn_and_its_reply_are_a_token_prefix_of_the_next_turn(template, vocabulary):
+    """What lets turn 2 reuse turn 1's cache: turn 1 rendered with the generation prompt,
+    then the reply's own encoding and the end token, start turn 2's rendering, for replies
+    with leading, trailing and doubled whitespace, newlines, nothing, and any script. (It
+    fails where a model wrote a reply with other tokens than its text's encoding: the
+    cache is then reused up to there; docs/serving.md.)"""
+    from gptmini.tokenizer import get_tokenizer
+
+    enc = get_tokenizer(vocabulary) if vocabulary == "gpt2" else byte_tokenizer()
+    enc = add_template_tokens(enc, template)
+    end = template.stop_ids(enc)[0]
+    for reply in ["Hello there.", " leading", "\nnewline first", "ends\n", "", "héllo ✓ 日本",
+                  "two  spaces  "]:
+        turn2 = rendered([*TURN1, {"role": "assistant", "content": reply},
+                          {"role": "user", "content": "More"}], enc, template)
+        prefix = [*rendered(TURN1, enc, template), *enc.encode(reply), end]
+        assert turn2[:len(prefix)] == prefix, reply
