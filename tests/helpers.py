@@ -161,3 +161,30 @@ def start_serve_py(checkpoint: Path, *flags: str, env: dict | None = None
          *flags], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=env)
     return server, f"http://127.0.0.1:{port}"
+
+
+@torch.no_grad()
+def scripted_model(vocab_size: int, script: dict[int, int], default: int,
+                   context_length: int = 128) -> GPTModel:
+    """A GPTModel whose greedy next token after position p is `script[p]` (`default` where
+    the script says nothing), whatever the tokens: every block adds nothing (its output
+    projections are zero), the token embedding is zero, and position p's embedding is the
+    one-hot vector of its token's slot, which the output head maps to that token. A test
+    knows the exact reply it will get (float64; logits 0 or about +-30)."""
+    targets = sorted({default, *script.values()})
+    cfg = GPTConfig(vocab_size=vocab_size, context_length=context_length,
+                    emb_dim=2 * (len(targets) // 2 + 2), n_heads=2, n_layers=2, drop_rate=0.0)
+    model = GPTModel(cfg).double().eval()
+    for block in model.trf_blocks:
+        for layer in (block.att.out_proj, block.ff.proj_out):
+            layer.weight.zero_()
+            layer.bias.zero_()
+    model.tok_emb.weight.zero_()
+    slot = {token: k for k, token in enumerate(targets)}
+    model.pos_emb.weight.zero_()
+    for p in range(context_length):
+        model.pos_emb.weight[p, slot[script.get(p, default)]] = 1.0
+    model.out_head.weight.zero_()
+    for token, k in slot.items():
+        model.out_head.weight[token, k] = 10.0
+    return model

@@ -17,7 +17,7 @@ LAYERS = [
     "tokenizer",
     "threads",
     "runtime",     # the machine: device, precision, peak FLOP/s
-    "finetune",    # LoRA, the class head (and chat templates, loss masks)
+    "finetune",    # chat templates, loss masks, LoRA, the class head
     "convert",     # Hugging Face layouts <-> GPTModel
     "checkpoint",  # the format; a path to a model and tokenizer
     "data",

@@ -1,5 +1,6 @@
-"""Fine-tuning a pretrained GPT: LoRA adapters (lora.py) and a class head read at each
-sequence's last real token (classify.py). Imports only torch and the model's packages."""
+"""Fine-tuning a pretrained GPT: chat templates and the assistant's loss mask (chat.py), LoRA
+adapters (lora.py) and a class head read at each sequence's last real token (classify.py).
+Imports only torch, the model and the tokenizer."""
 
 from gptmini.finetune.classify import (
     accuracy_and_confusion,

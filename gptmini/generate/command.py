@@ -1,15 +1,19 @@
-"""`generate.py`: text from a checkpoint, one prompt at a time or a batch file through the
-engine (argparse main)."""
+"""`generate.py`: text from a checkpoint, one prompt at a time, a batch file through the
+engine, or a conversation in the terminal (`--chat`) (argparse main)."""
 
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from gptmini.checkpoint import load_on_device
+from gptmini.finetune.chat import template_for
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
+from gptmini.generate.chat import ChatSession, chat_loop
+from gptmini.generate.engine import Engine
 from gptmini.generate.loop import stream_text
 from gptmini.generate.sampling import SEED_RANGE, SamplingParams
 from gptmini.runtime import add_device_options, resolve_device
@@ -33,6 +37,11 @@ def generate_parser() -> argparse.ArgumentParser:
                            "records with \"prompt\" (and optional "
                            f"{', '.join(BATCH_SETTINGS)}); one JSON result per prompt, in "
                            "order, to --output")
+    text.add_argument("--chat", action="store_true",
+                      help="a conversation: each line of stdin is your message, the reply is "
+                           "printed as it comes, rendered by the model's chat template; /reset "
+                           "starts over, /exit or end of input (Ctrl-D) ends")
+    parser.add_argument("--system", default=None, help="with --chat: the system prompt")
     parser.add_argument("--output", type=Path, default=None,
                         help="with --batch_file: write the results here (default: stdout)")
     parser.add_argument("--max_batch", type=int, default=32,
@@ -78,11 +87,20 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
                                  f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
         else:
             prompt = args.prompt
-        model, tokenizer, _ = load_on_device(args.checkpoint or args.hf, device, args.dtype)
+        if args.system is not None and not args.chat:
+            raise ValueError("--system is the system prompt of --chat; add --chat")
+        model, tokenizer, hparams = load_on_device(args.checkpoint or args.hf, device,
+                                                   args.dtype)
         if args.batch_file is not None:
             return generate_batch(model, tokenizer, args, top_k)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        if args.chat:
+            session = ChatSession(Engine(model, tokenizer, max_batch=1),
+                                  template_for(tokenizer, hparams),
+                                  replace(sampling, seed=args.seed), args.system)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # ChatDataError included
         parser.error(str(err))
+    if args.chat:
+        return chat_main(session)
 
     generator = None
     if args.seed is not None:
@@ -104,3 +122,16 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         out.write("\n")
         out.flush()
     return 0
+
+
+def chat_main(session: ChatSession) -> int:
+    """`generate.py --chat`: converse over stdin. What the template is goes to stderr, so
+    that stdout holds the replies alone (one line each) when stdin is piped."""
+    interactive = sys.stdin.isatty()
+    name = session.template.name
+    note = {"book": " (the book's instruction prompt: this checkpoint has no chat template "
+                    "of its own; a model never tuned on it will just continue the text)",
+            "gptmini": " (gptmini's own)"}.get(name, "")
+    print(f"chat template {name!r}{note}; /reset starts over, /exit or Ctrl-D ends",
+          file=sys.stderr, flush=True)
+    return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")

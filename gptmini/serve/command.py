@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gptmini.checkpoint import load_on_device
+from gptmini.finetune.chat import ChatDataError, template_for
 from gptmini.generate.engine import Engine
 from gptmini.runtime import add_device_options, resolve_device
 
@@ -15,8 +16,9 @@ def serve_parser() -> argparse.ArgumentParser:
     """The `serve.py` command line."""
     parser = argparse.ArgumentParser(
         prog="serve.py",
-        description="Serve a gptmini checkpoint or a Hugging Face GPT-2 directory with an "
-                    "OpenAI-compatible completions API.",
+        description="Serve a gptmini checkpoint or a Hugging Face directory with an "
+                    "OpenAI-compatible API: completions, and chat completions rendered by "
+                    "the model's chat template.",
     )
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
@@ -91,11 +93,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                         max_step_tokens=args.max_step_tokens)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
+    try:
+        template = template_for(tokenizer, hparams)
+    except ChatDataError:
+        template = None  # (create_app says why the model cannot chat)
     name = args.model_name or args.checkpoint.stem
     app = create_app(engine, name, api_key=args.api_key, max_pending=args.max_pending,
                      timeout=args.timeout, checkpoint=panel,
-                     attention_tokens=args.attention_tokens)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions); "
+                     attention_tokens=args.attention_tokens, chat_template=template)
+    chat = ("" if template is None else
+            f", POST /v1/chat/completions with chat template {template.name!r}")
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (POST /v1/completions{chat}); "
           f"the page: http://{args.host}:{args.port}/", flush=True)
     return _serve_draining(app, args.host, args.port, args.drain)
 

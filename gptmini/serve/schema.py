@@ -1,15 +1,18 @@
-"""The completions request as the server accepts it, a `CompletionRequest`: every field
-checked for its JSON type and range before anything runs, so a wrong value is a 400 naming
-the field, never a 500, and never read by Python truthiness (`"stream": "false"` is not
-`false`, and `"temperature": true` is not 1).
+"""The requests as the server accepts them, a `CompletionRequest` (/v1/completions) and a
+`ChatRequest` (/v1/chat/completions): every field checked for its JSON type and range
+before anything runs, so a wrong value is a 400 naming the field, never a 500, and never
+read by Python truthiness (`"stream": "false"` is not `false`, and `"temperature": true`
+is not 1).
 
 The sampling settings are `SamplingParams`' fields under their own names (OpenAI's
-`max_tokens` is the one renamed: `API_NAMES`), checked by SamplingParams itself, so a
-field added there is a request field here.
+`max_tokens` is the one renamed: `API_NAMES`; chat also calls it `max_completion_tokens`
+and asks logprobs as `logprobs: true` with `top_logprobs: N`), checked by SamplingParams
+itself, so a field added there is a request field of both.
 """
 
 import codecs
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -53,6 +56,14 @@ def choice_seed(seed: int, i: int) -> int:
     """Choice i of a seeded request draws from (seed, i): the same request, the same texts."""
     digest = hashlib.blake2b(f"{seed},{i}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def seeded(sampling: SamplingParams, i: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    """Choice i's settings, stopping at `stop_ids`: a seeded request's choice i draws from
+    `choice_seed(seed, i)`."""
+    seed = sampling.seed
+    return replace(sampling, seed=None if seed is None else choice_seed(seed, i),
+                   stop_ids=stop_ids)
 
 
 def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
@@ -102,9 +113,7 @@ class CompletionRequest:
 
     def choice_sampling(self, i: int, stop_ids: tuple[int, ...]) -> SamplingParams:
         """Choice i's settings: seeded from (seed, i) when the request has a seed."""
-        seed = self.sampling.seed
-        return replace(self.sampling, seed=None if seed is None else choice_seed(seed, i),
-                       stop_ids=stop_ids)
+        return seeded(self.sampling, i, stop_ids)
 
     @staticmethod
     def api_name(field: str) -> str:
@@ -112,24 +121,28 @@ class CompletionRequest:
         return API_NAMES.get(field, field)
 
 
-def refused(err: RequestError) -> APIError:
+def refused(err: RequestError, names: Callable[[str], str] = CompletionRequest.api_name
+            ) -> APIError:
     """The 400 for a setting or prompt that SamplingParams or the engine refused, naming
-    the request's own field (max_tokens, not max_new_tokens), in its message too."""
-    name = CompletionRequest.api_name(err.field)
+    the request's own field (max_tokens, not max_new_tokens), in its message too; `names`
+    maps a SamplingParams field (or "prompt") to the request's field."""
+    name = names(err.field)
     return APIError(400, err.message_for(name), name)
 
 
-def parse(body: Any, model_name: str) -> CompletionRequest:
-    """The completions body as a CompletionRequest, or an APIError naming the field."""
+def _check_common(body: Any, model_name: str, known: set[str],
+                  neutral: Mapping[str, tuple | None]) -> None:
+    """What both endpoints check alike: a JSON object of known fields, the neutral ones at
+    their neutral values, the model, user, stop and stream_options."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
         raise APIError(400, f"unsupported field {unknown[0]!r}", unknown[0])
-    for name, neutral in NEUTRAL.items():
-        if neutral is not None and name in body and not _neutral(body[name], neutral):
+    for name, values in neutral.items():
+        if values is not None and name in body and not _neutral(body[name], values):
             raise APIError(400, f"{name}={body[name]!r} is not supported; leave it at "
-                           f"{neutral[-1]!r}", name)
+                           f"{values[-1]!r}", name)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError(400, f"user must be a string, got {json_type(body['user'])}", "user")
     model = body.get("model")
@@ -138,12 +151,6 @@ def parse(body: Any, model_name: str) -> CompletionRequest:
     if model not in (model_name, None):
         raise APIError(404, f"the model {model!r} does not exist; this server "
                        f"serves {model_name!r}", "model", kind="not_found_error")
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(
-            isinstance(p, str) or _is_ids(p) for p in prompts):
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token "
-                       "ids or a list of such lists", "prompt")
     stops = body.get("stop")
     if isinstance(stops, list) and len(stops) > MAX_STOPS:
         raise APIError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS}",
@@ -155,18 +162,110 @@ def parse(body: Any, model_name: str) -> CompletionRequest:
     if options and set(options) - {"include_usage"}:
         raise APIError(400, f"stream_options: unsupported field "
                        f"{sorted(set(options) - {'include_usage'})[0]!r}", "stream_options")
-    settings = {**OPENAI_DEFAULTS, **{field: body[name] for name, field in SAMPLING.items()
-                                      if body.get(name) is not None}}  # null: the default
+
+
+def _sampling(settings: dict, names: Callable[[str], str]) -> SamplingParams:
+    """SamplingParams of `settings` (OpenAI's defaults where unset), or the 400 naming the
+    request's field."""
     try:
-        sampling = SamplingParams(**settings)
+        return SamplingParams(**{**OPENAI_DEFAULTS, **settings})
     except RequestError as err:
-        raise refused(err) from None
-    return CompletionRequest(
-        prompts, sampling, n=_integer(body, "n", 1, 1, 16),
-        stream=_boolean(body.get("stream"), "stream"),
-        include_usage=_boolean((options or {}).get("include_usage"),
-                               "stream_options.include_usage"),
-        return_token_ids=_boolean(body.get("return_token_ids"), "return_token_ids"))
+        raise refused(err, names) from None
+
+
+def _flags(body: dict) -> dict:
+    """n, stream, stream_options.include_usage and return_token_ids, checked."""
+    return {"n": _integer(body, "n", 1, 1, 16),
+            "stream": _boolean(body.get("stream"), "stream"),
+            "include_usage": _boolean((body.get("stream_options") or {}).get("include_usage"),
+                                      "stream_options.include_usage"),
+            "return_token_ids": _boolean(body.get("return_token_ids"), "return_token_ids")}
+
+
+def parse(body: Any, model_name: str) -> CompletionRequest:
+    """The completions body as a CompletionRequest, or an APIError naming the field."""
+    _check_common(body, model_name, KNOWN, NEUTRAL)
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, str) or _is_ids(p) for p in prompts):
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token "
+                       "ids or a list of such lists", "prompt")
+    settings = {field: body[name] for name, field in SAMPLING.items()
+                if body.get(name) is not None}  # null: the default
+    return CompletionRequest(prompts, _sampling(settings, CompletionRequest.api_name),
+                             **_flags(body))
+
+
+# --------------------------------------------------------------------- chat completions
+
+CHAT_NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "logit_bias": (None, {}), "user": None, "stream_options": None,
+                "tools": (None, []), "tool_choice": (None, "none"), "store": (None, False),
+                "parallel_tool_calls": None, "response_format": (None, {"type": "text"}),
+                "metadata": None, "service_tier": None}
+"""Chat fields clients may send, accepted at their neutral values (None: any value)."""
+CHAT_RENAMED = ("max_new_tokens", "logprobs")
+"""SamplingParams fields chat asks under other names (max_tokens or max_completion_tokens;
+top_logprobs under logprobs: true)."""
+CHAT_SAMPLING = {name: field for name, field in SAMPLING.items() if field not in CHAT_RENAMED}
+CHAT_KNOWN = {"model", "messages", "n", "stream", "return_token_ids", "max_tokens",
+              "max_completion_tokens", "logprobs", "top_logprobs", *CHAT_SAMPLING,
+              *CHAT_NEUTRAL}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A /v1/chat/completions body, checked: what the server reads of it, by attribute."""
+
+    messages: list
+    """OpenAI's messages, as sent (the model's chat template renders and checks them)."""
+    sampling: SamplingParams
+    """Every choice's settings; `max_new_tokens` is only meaningful when `max_tokens_field`
+    is set (else the reply may run to the end of the context)."""
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    max_tokens_field: str | None = None
+    """"max_tokens" or "max_completion_tokens", whichever the request set; None: none."""
+
+    def choice_sampling(self, i: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+        """Choice i's settings: seeded from (seed, i) when the request has a seed."""
+        return seeded(self.sampling, i, stop_ids)
+
+    def api_name(self, field: str) -> str:
+        """The request field that holds `field` (a SamplingParams field or "prompt")."""
+        return {"prompt": "messages", "logprobs": "top_logprobs",
+                "max_new_tokens": self.max_tokens_field or "max_completion_tokens"
+                }.get(field, field)
+
+
+def parse_chat(body: Any, model_name: str) -> ChatRequest:
+    """The chat completions body as a ChatRequest, or an APIError naming the field. The
+    messages are checked when the model's template renders them (`submit_chat`)."""
+    _check_common(body, model_name, CHAT_KNOWN, CHAT_NEUTRAL)
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise APIError(400, "messages must be a non-empty list of {\"role\", \"content\"} "
+                       f"objects, got {json_type(body.get('messages'))}", "messages")
+    given = [name for name in ("max_completion_tokens", "max_tokens")
+             if body.get(name) is not None]
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise APIError(400, "max_tokens and max_completion_tokens differ; send one "
+                       "(max_tokens is the older name of max_completion_tokens)", "max_tokens")
+    settings = {field: body[name] for name, field in CHAT_SAMPLING.items()
+                if body.get(name) is not None}
+    if given:
+        settings["max_new_tokens"] = body[given[0]]
+    asked = _boolean(body.get("logprobs"), "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not asked:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if asked:
+        settings["logprobs"] = 0 if top is None else top
+    draft = ChatRequest(body["messages"], SamplingParams(),
+                        max_tokens_field=given[0] if given else None)
+    return replace(draft, sampling=_sampling(settings, draft.api_name), **_flags(body))
 
 
 def _is_ids(value) -> bool:
@@ -196,3 +295,22 @@ class LogprobsWriter:
             out["text_offset"].append(self.offset)
             self.offset += len(self._chars.decode(self.enc.decode_single_token_bytes(token)))
         return out
+
+
+class ChatLogprobsWriter:
+    """OpenAI's chat `logprobs` object of one choice, a few tokens at a time: `{"content":
+    [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}`
+    (exactly the N asked in `top_logprobs`, most likely first)."""
+
+    def __init__(self, enc):
+        self.enc = enc
+
+    def entry(self, token: int, logprob: float) -> dict:
+        return {"token": token_text(self.enc, token), "logprob": logprob,
+                "bytes": list(self.enc.decode_single_token_bytes(token))}
+
+    def add(self, tokens: list[int], entries: list) -> dict:
+        """The object for `tokens`, given their `Request.logprobs` entries."""
+        return {"content": [{**self.entry(token, logprob),
+                             "top_logprobs": [self.entry(i, value) for i, value in top]}
+                            for token, (logprob, top) in zip(tokens, entries, strict=True)]}

@@ -147,6 +147,29 @@ def test_a_shared_prompt_is_computed_once_and_its_blocks_are_shared(model):
     assert engine.blocks.in_use() == 0
 
 
+def test_a_continuation_adopts_the_partly_filled_block_and_computes_only_new_tokens(model):
+    """A conversation's next turn: its prompt continues an ended request's prompt and reply.
+    The full blocks are found by name, and the partly filled last block is adopted, so the
+    new prompt computes only what the ended request never did: its last sampled token
+    (never fed back) and the new tokens; before, a block's worth more."""
+    engine = Engine(model, block_size=4)
+    first = engine.generate([list(range(10))], max_new_tokens=5)[0]  # computed: 10 + 4
+    assert first.finish_reason == "length"
+    follow = first.all_tokens + [7, 8, 9]
+    before = engine.num_prefilled
+    twins = [engine.add_request(follow, max_new_tokens=6) for _ in range(2)]
+    engine.step()
+    computed = len(first.prompt) + len(first.tokens) - 1
+    # one adopts the block (4 new tokens); the other finds only the 3 full blocks (6)
+    assert engine.num_prefilled - before == (len(follow) - computed) + (len(follow) - 12)
+    while engine.has_work:
+        engine.step()
+    assert [r.tokens for r in twins] == [alone(model, follow, 6)] * 2
+    assert engine.blocks.in_use() == 0
+    other = engine.generate([list(range(10)) + [0, 1, 2]], max_new_tokens=2)[0]  # diverges
+    assert other.tokens == alone(model, list(range(10)) + [0, 1, 2], 2)
+
+
 @pytest.mark.parametrize(("prompt", "settings", "message"), [
     ([], {}, "the prompt is empty"),
     (list(range(CONTEXT + 1)), {}, "never crops a prompt"),

@@ -240,8 +240,8 @@ def test_a_400_names_the_field_its_check_looked_at(model):
 
 def test_unknown_routes_answer_in_openai_shape(served):
     url, _ = served
-    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
-    assert chat.status_code == 404 and "no chat template" in chat.json()["error"]["message"]
+    nothing = httpx.post(f"{url}/v1/nothing", json={})
+    assert nothing.status_code == 404 and "POST /v1/nothing" in nothing.json()["error"]["message"]
     wrong = httpx.get(f"{url}/v1/completions")
     assert wrong.status_code == 405 and "GET /v1/completions" in wrong.json()["error"]["message"]
 

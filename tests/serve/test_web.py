@@ -313,3 +313,70 @@ def test_a_server_that_stops_mid_stream_leaves_a_message(endless, page):
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.fixture(scope="module")
+def chat_served():
+    """A scripted model with gptmini's chat tokens (test_server_chat.py's): its replies to
+    TURN1 and TURN2 are known."""
+    from helpers import scripted_model
+    from test_server_chat import ENC as CHAT_ENC
+    from test_server_chat import END, REPLY1, REPLY2, TURN1, TURN2, rendered, script
+
+    from gptmini.generate.engine import Engine
+    from gptmini.serve.app import create_app
+
+    model = scripted_model(CHAT_ENC.n_vocab, {
+        **script(rendered(TURN1), [*REPLY1.encode(), END]),
+        **script(rendered(TURN2), [*REPLY2.encode(), END])}, default=ord("x"))
+    url, stop = test_page.serve(create_app(Engine(model, CHAT_ENC, block_size=4), "chat",
+                                           api_key="k"))
+    yield url
+    stop()
+
+
+def test_chat_mode_inspects_the_whole_rendered_conversation(chat_served, page):
+    from test_server_chat import REPLY1, REPLY2, TURN1, TURN2, rendered
+
+    url = chat_served
+    open_page(page, url)
+    page.click("#modes button[data-mode=chat]")
+    assert page.is_hidden("#prompt") and page.is_visible("#chat-input")
+    page.fill("#system", "Be brief.")
+    page.fill("#temperature", "0")
+    page.fill("#chat-input", "Hello")
+    page.click("#generate")
+    first = rendered(TURN1) + list(REPLY1.encode())
+    page.wait_for_selector(f"body[data-attention-tokens='{len(first)}']")
+    assert page.inner_text("#conversation .assistant .content") == REPLY1
+    assert page.evaluate("window.gptmini.ids") == first
+    assert page.locator("#tokens .chip.generated").count() == len(REPLY1)
+
+    page.fill("#chat-input", "How are you?")
+    page.press("#chat-input", "Enter")  # the second turn: the whole conversation again
+    ids = rendered(TURN2) + list(REPLY2.encode())
+    page.wait_for_selector(f"body[data-attention-tokens='{len(ids)}']")
+    assert page.evaluate("window.gptmini.ids") == ids
+    assert page.eval_on_selector_all("#conversation .content", "cs => cs.map(c => "
+                                     "c.textContent)") == ["Hello", REPLY1, "How are you?",
+                                                           REPLY2]
+    names = page.eval_on_selector_all("#tokens .chip", "cs => cs.map(c => c.textContent)")
+    assert names[0] == "<|system|>" and names.count("<|assistant|>") == 2  # the template's
+    weights, data = weights_of(url, ids)
+    query = len(rendered(TURN1)) + 3  # a token of the first reply
+    page.locator("#tokens .chip").nth(query).hover()
+    shown = [float(x or 0) for x in page.eval_on_selector_all(
+        "#tokens .chip", "cs => cs.map(c => c.dataset.weight)")]
+    assert np.allclose(shown[: query + 1], weights[0].mean(0)[query, : query + 1], atol=2e-3)
+    logprobs = [float(x) for x in page.eval_on_selector_all(
+        "#candidates tr.candidate", "rs => rs.map(r => r.dataset.logprob)")]
+    assert logprobs == pytest.approx([v for _, _, v in data["top_logprobs"][query]], abs=1e-6)
+
+    page.fill("#chat-input", "x" * 200)  # past the context: the turn is taken back
+    page.click("#generate")
+    page.wait_for_selector("body[data-state=error]")
+    assert "leaving no room for a reply" in page.inner_text("#message")
+    assert page.locator("#conversation .turn").count() == 4
+    assert page.input_value("#chat-input") == "x" * 200
+    page.click("#new-chat")
+    assert page.locator("#conversation .turn").count() == 0

@@ -12,6 +12,12 @@ values depend on. A new sequence whose first blocks have the same names reuses t
 only, instead of computing them again: `n` samples of one prompt, or many requests behind
 one system prompt, share those blocks. Each block counts the sequences using it; at zero a
 named block stays cached (and can be found again) until its memory is needed.
+
+A sequence that ends leaves its last block partly filled; that block is named too
+(`partial_hash`: its tokens so far), so that a later sequence continuing those very tokens,
+a conversation's next turn, can *adopt* it (`adopt`): it becomes that sequence's own block,
+unnamed, and is filled on from where it was left. Only an unused one is adopted, so no
+two sequences ever write into one block.
 """
 
 import hashlib
@@ -24,6 +30,12 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(b",".join(str(t).encode() for t in tokens))
     return digest.digest()
+
+
+def partial_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The name of a block holding only `tokens` (fewer than a block), after `parent`: never
+    a full block's name (the count is hashed in)."""
+    return block_hash(parent, [-len(tokens), *tokens])
 
 
 class BlockAllocator:
@@ -84,6 +96,23 @@ class BlockAllocator:
             return self.lookup(name)
         self.name[block], self.by_name[name] = name, block
         return block
+
+    def adopt(self, name: bytes) -> int | None:
+        """The unused block named `name` (a sequence's partly filled last block), now the
+        caller's alone and unnamed (count 1), or None: no such block, or one in use."""
+        block = self.by_name.get(name)
+        if block is None or self.ref_count[block] > 0:
+            return None
+        del self.cached[block], self.by_name[name]
+        self.name[block], self.ref_count[block] = None, 1
+        return block
+
+    def release_partial(self, block: int, name: bytes) -> None:
+        """`release` a sequence's partly filled last block, named `name` so that `adopt` can
+        find it, unless another block already has that name or others use this one."""
+        if self.ref_count[block] == 1 and self.name[block] is None and name not in self.by_name:
+            self.name[block], self.by_name[name] = name, block
+        self.release(block)
 
     def release(self, block: int) -> None:
         """One sequence stops using `block`; at zero it is free (and cached, if named)."""

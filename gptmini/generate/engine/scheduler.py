@@ -11,7 +11,9 @@ prompt never stalls the requests decoding beside it for more than one budget's w
 work.
 
 Blocks: a request is admitted when the pool has blocks for its whole prompt (reusing the
-cached blocks of a prefix seen before); a decoding request whose blocks are full gets one
+cached blocks of a prefix seen before, and adopting the partly filled last block of an
+ended request whose tokens it continues: a conversation's next turn computes only its new
+tokens); a decoding request whose blocks are full gets one
 more, and when none is free the youngest running request is *preempted*: its blocks go back
 (named ones stay cached) and it waits at the front of the queue, to compute its prompt and
 tokens so far again when readmitted (the cached blocks make that cheap).
@@ -28,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from gptmini.generate.engine.blocks import BlockAllocator, block_hash
+from gptmini.generate.engine.blocks import BlockAllocator, block_hash, partial_hash
 from gptmini.generate.engine.request import Request
 
 
@@ -115,9 +117,13 @@ class Scheduler:
                 for block in hits:
                     self.blocks.release(block)
                 break  # oldest first: later requests wait their turn
-            request.table = hits + [self.blocks.allocate() for _ in range(needed)]
             request.names = request.names[:len(hits)]
             request.num_cached = len(hits) * self.block_size
+            adopted = self._adopt_partial(request, tokens)
+            if adopted is not None:  # (it takes the place of one block allocated below)
+                hits.append(adopted)
+                needed -= 1
+            request.table = hits + [self.blocks.allocate() for _ in range(needed)]
             self.waiting.popleft()
             self.running.append(request)
 
@@ -137,6 +143,21 @@ class Scheduler:
             names.append(parent)
         request.names = names
         return hits
+
+    def _adopt_partial(self, request: Request, tokens: list[int]) -> int | None:
+        """After the cached full blocks: the longest partly filled block an ended request
+        left (`BlockAllocator.adopt`) that `tokens` continue, its tokens added to
+        `request.num_cached`; None when there is none. The last token is always computed."""
+        if not self.prefix_caching:
+            return None
+        size, start = self.block_size, request.num_cached
+        parent = request.names[-1] if request.names else None
+        for k in range(min(size - 1, len(tokens) - 1 - start), 0, -1):
+            block = self.blocks.adopt(partial_hash(parent, tokens[start:start + k]))
+            if block is not None:
+                request.num_cached += k
+                return block
+        return None
 
     def _reserve(self, decoding: list[Request]) -> list[Request]:
         """A slot for every decoding request's newest token, preempting the youngest
@@ -162,8 +183,16 @@ class Scheduler:
             self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        for block in request.table:
-            if block >= 0:  # -1: dropped behind the window already
+        size, partial = self.block_size, None
+        full = request.num_cached // size
+        if (self.prefix_caching and request.num_cached % size and len(request.names) == full
+                and request.table[full] >= 0):  # a partly filled last block: named for adopt
+            tokens = request.all_tokens[request.start:][full * size:request.num_cached]
+            partial = full
+            self.blocks.release_partial(request.table[full], partial_hash(
+                request.names[-1] if request.names else None, tokens))
+        for i, block in enumerate(request.table):
+            if block >= 0 and i != partial:  # -1: dropped behind the window already
                 self.blocks.release(block)
         request.table, request.num_cached, request.decoding = [], 0, False
 

@@ -1,4 +1,5 @@
-// gptmini's page: streams a completion from /v1/completions, shows every token as a chip,
+// gptmini's page: streams a completion from /v1/completions (or, in chat mode, a reply from
+// /v1/chat/completions, the whole rendered conversation as the text), shows every token as a chip,
 // and draws what a token attends to (/gptmini/attention), the model's next-token
 // candidates, and the attention in three views (the maps of a layer's heads, bertviz's head
 // view, the model view), the checkpoint and the heads' roles. Plain JavaScript, no build
@@ -9,6 +10,7 @@ import { chipText, visibleText } from "./tokens.js";
 import { smallMap } from "./maps.js";
 import { HeadView } from "./headview.js";
 import { ModelView } from "./modelview.js";
+import { Conversation } from "./chat.js";
 
 const $ = (id) => document.getElementById(id);
 const view = {
@@ -18,6 +20,7 @@ const view = {
   selected: -1, pinned: -1, layer: 0, head: "avg",
   scale: "row",      // the colour scale (weights.js's SCALES)
   tab: "maps",       // the view under the candidates: maps, headview or modelview
+  mode: "complete",  // complete a text, or chat (chat.js)
   controller: null, fetching: false, stale: false,
   timings: {},
 };
@@ -122,7 +125,7 @@ function candidatesAfter(i) {
   const k = i + 1 - view.promptLength;
   if (k >= 0 && k < view.streamed.length) {
     const top = Object.entries(view.streamed[k].top).sort((x, y) => y[1] - x[1]);
-    return { source: "/v1/completions logprobs",
+    return { source: view.mode === "chat" ? "/v1/chat/completions logprobs" : "/v1/completions logprobs",
              rows: top.map(([name, lp]) => ({ id: null, name, lp })) };
   }
   return null;
@@ -303,11 +306,19 @@ function settings() {
   return body;
 }
 
+const conversation = new Conversation($("conversation"));
+
 async function generate(event) {
   event.preventDefault();
   message("");
-  const body = settings();
-  if (!body.prompt.trim()) {
+  const chatting = view.mode === "chat";
+  let body = settings();
+  if (chatting) {
+    const text = $("chat-input").value;
+    if (!text.trim()) { message("The message is empty: type something to say."); return; }
+    body = conversation.body($("system").value.trim(), text, body);
+    $("chat-input").value = "";
+  } else if (!body.prompt.trim()) {
     message(EMPTY);
     return;
   }
@@ -323,7 +334,7 @@ async function generate(event) {
   $("stop").disabled = false;
   let finished = false;
   try {
-    const answer = await fetch("/v1/completions", { method: "POST", headers: headers(),
+    const answer = await fetch(chatting ? "/v1/chat/completions" : "/v1/completions", { method: "POST", headers: headers(),
       body: JSON.stringify(body), signal: view.controller.signal });
     if (!answer.ok) throw apiError(answer.status, await answer.json().catch(() => ({})));
     const reader = answer.body.getReader(), decoder = new TextDecoder();
@@ -339,15 +350,18 @@ async function generate(event) {
         if (line === "data: [DONE]") { finished = true; continue; }
         const chunk = JSON.parse(line.slice(6));
         if (chunk.error) throw new Error(chunk.error.message);
-        for (const choice of chunk.choices || []) addChunk(choice);
+        for (const choice of chatting ? conversation.choices(chunk) : chunk.choices || []) addChunk(choice);
       }
     }
     if (!finished) {
       throw new Error(`the server stopped mid-stream after ${view.streamed.length} tokens; ` +
                       "what arrived is shown. Restart serve.py and generate again.");
     }
+    if (chatting) conversation.finish(true);
     setState("done");
   } catch (err) {
+    if (chatting && err.name !== "AbortError") $("chat-input").value = conversation.pending;
+    if (chatting) conversation.finish(err.name === "AbortError");  // a stopped reply stays
     if (err.name === "AbortError") {
       setState("done");
       $("status").textContent = "stopped";
@@ -408,7 +422,28 @@ async function loadPanels() {
   }
 }
 
+// Complete a text, or chat: the form's settings serve both.
+function setMode(mode) {
+  view.mode = mode;
+  for (const button of document.querySelectorAll("#modes button")) {
+    button.classList.toggle("current", button.dataset.mode === mode);
+  }
+  const chatting = mode === "chat";
+  $("chat").hidden = !chatting;
+  $("new-chat").hidden = !chatting;
+  $("prompt").hidden = chatting;
+  $("inspect").hidden = chatting;
+  $("generate").textContent = chatting ? "Send" : "Generate";
+}
+
 $("form").addEventListener("submit", generate);
+for (const button of document.querySelectorAll("#modes button")) {
+  button.addEventListener("click", () => setMode(button.dataset.mode));
+}
+$("new-chat").addEventListener("click", () => { conversation.reset(); message(""); });
+$("chat-input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("generate").click(); }
+});
 $("inspect").addEventListener("click", inspectPrompt);
 $("stop").addEventListener("click", () => view.controller && view.controller.abort());
 $("layer").addEventListener("change", () => { view.layer = Number($("layer").value); drawSelection(); });
