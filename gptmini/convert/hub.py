@@ -3,6 +3,8 @@
 picked by the config."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from gptmini.convert.llama import (
     is_llama_architecture,
     to_llama_state_dict,
 )
+from gptmini.convert.staging import staged_directory
 from gptmini.model import GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
@@ -81,9 +84,15 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
     carries both: `loaded = load_checkpoint(path); export_hf(loaded.model, directory,
     loaded.tokenizer)`.
 
+    The directory is written whole or not at all (gptmini.convert.staging): beside the
+    target first, then swapped in, so a failure (a full disk) leaves an earlier export there
+    as it was, and nothing of another model (its tokenizer.json) stays beside the new one.
+
     Raises:
         ValueError: the model uses grouped-query or sliding-window attention, or
-            `tokenizer` does not have the model's number of ids.
+            `tokenizer` does not have the model's number of ids, or `directory` holds other
+            files than a model's.
+        OSError: the directory could not be written (the earlier one is unchanged).
     """
     if is_llama_architecture(model.cfg):
         hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
@@ -91,11 +100,21 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
         hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
     state = {k: v.cpu() for k, v in state.items()}
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:
-        write_tokenizer_files(model, tokenizer, directory, hf_config)
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    try:
+        with staged_directory(directory) as stage:
+            if tokenizer is not None:
+                write_tokenizer_files(model, tokenizer, stage, hf_config)
+            config = stage / "config.json"
+            config.write_text(json.dumps(hf_config, indent=2) + "\n")
+            weights = stage / "model.safetensors"
+            save_file(state, weights, metadata={"format": "pt"})
+            # safetensors writes 0600 whatever the umask; the rest is 0644 under the usual one.
+            os.chmod(weights, stat.S_IMODE(config.stat().st_mode))
+    except (OSError, SafetensorError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise OSError(
+            f"could not write the export {directory} ({reason}); what was there is "
+            "unchanged. Free space, or pick a writable place, then export again") from err
     return directory
 
 
