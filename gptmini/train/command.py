@@ -30,6 +30,7 @@ from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import Corpus, GPTDataModule
 from gptmini.data.vocab import parse_bpe
+from gptmini.model import is_finite_number
 from gptmini.runtime import AUTO, auto_precision
 from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
 from gptmini.train.callbacks import (
@@ -325,9 +326,14 @@ def check_intervals(config) -> None:
     for name, low in (("checkpoint_every", 1), ("sample_every", 0), ("attention_every", 0),
                       ("stop_grace", 0)):
         value = config[name]
-        if value < low:
+        if not is_finite_number(value) or value < low:  # NaN is not below anything
             raise ValueError(f"--{name}={value} is invalid: use {low} or more"
                              + (" (0 turns it off)" if low == 0 and name != "stop_grace" else ""))
+    clip = config.trainer.gradient_clip_val
+    if clip is not None and not (is_finite_number(clip) and clip >= 0):
+        # A negative norm would flip every gradient; NaN would make every one NaN.
+        raise ValueError(f"--trainer.gradient_clip_val {clip} is invalid: use a finite number, "
+                         "0 or more (e.g. 1.0), or leave it unset to measure without clipping")
 
 
 def check_accumulation(trainer: Trainer) -> None:

@@ -62,6 +62,15 @@ TRAIN_ROWS = {
     "negative checkpoint_every": (
         {}, ["--checkpoint_every", "-1"], ["--checkpoint_every=-1 is invalid: use 1 or more"],
     ),
+    "beta1 above 1": ({}, ["--model.beta1", "1.5"], ["--model.beta1 1.5 is invalid: use a "
+                                                      "number in [0, 1)"]),
+    "an infinite norm_eps (YAML .inf)": ({}, ["--model.norm_eps", ".inf"],
+                                         ["--model.norm_eps inf is invalid"]),
+    "an infinite attn_softcap": ({}, ["--model.attn_softcap", ".inf"],
+                                 ["--model.attn_softcap inf is invalid"]),
+    "a negative gradient_clip_val": ({}, ["--trainer.gradient_clip_val", "-1"],
+                                     ["--trainer.gradient_clip_val -1"]),
+    "a stop_grace of nan": ({}, ["--stop_grace", ".nan"], ["--stop_grace=nan is invalid"]),
     "negative max_steps": (
         {}, ["--trainer.max_steps", "-5"], ["`max_steps` must be a non-negative integer or -1"],
     ),
