@@ -26,8 +26,9 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
+from gptmini.checkpoint import MODEL_PREFIX, check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
+from gptmini.convert import check_finite
 from gptmini.data import Corpus, GPTDataModule
 from gptmini.data.vocab import parse_bpe
 from gptmini.model import is_finite_number
@@ -306,7 +307,7 @@ def _fit(cli: GPTCLI):
     elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
     if ckpt is not None:
-        check_readable(checkpoints / "last.ckpt" if ckpt == "last" else ckpt)
+        check_resumable(checkpoints / "last.ckpt" if ckpt == "last" else Path(ckpt))
     existing = sorted(p.name for p in checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
     if ckpt is None and existing:
         raise ValueError(
@@ -319,6 +320,21 @@ def _fit(cli: GPTCLI):
         remove_stale_temporaries(checkpoints)  # of saves a kill interrupted
     cli.model.resuming = ckpt is not None  # decided before setup: init_from is not read
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
+
+
+def check_resumable(path: Path) -> None:
+    """Fail now, naming the file, if `path` cannot be resumed: unreadable, or its weights
+    hold NaN or infinity (a resume would stop at its first step blaming the learning rate).
+
+    Raises:
+        ValueError: naming the file (and the tensors that are not finite).
+    """
+    check_readable(path)
+    state = read_checkpoint(path, "cpu", mmap=True)
+    weights = state.get("state_dict") if isinstance(state, dict) else None
+    if isinstance(weights, dict):
+        check_finite({k: v for k, v in weights.items() if k.startswith(MODEL_PREFIX)},
+                     f"--ckpt_path {path}")
 
 
 def check_intervals(config) -> None:

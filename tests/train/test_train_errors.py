@@ -28,6 +28,13 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
     return path
 
 
+def nan_checkpoint(tmp_path: Path) -> Path:
+    model = make_model(vocab_size=50257)
+    with torch.no_grad():
+        model.final_norm.weight[:2] = float("nan")
+    return save_checkpoint(model, tmp_path / "nan.ckpt")
+
+
 # Each row: (files to write under tmp_path, extra arguments (with {tmp} for tmp_path), what
 # the one line must say).
 TRAIN_ROWS = {
@@ -89,6 +96,10 @@ TRAIN_ROWS = {
     "a truncated --ckpt_path": (
         {"cut.ckpt": corrupt_checkpoint}, ["--ckpt_path", "{tmp}/cut.ckpt"],
         ["cut.ckpt: it is corrupt, truncated or not a PyTorch checkpoint"],
+    ),
+    "resuming a checkpoint holding NaN": (
+        {"nan.ckpt": nan_checkpoint}, ["--ckpt_path", "{tmp}/nan.ckpt"],
+        ["--ckpt_path", "nan.ckpt holds non-finite weights", "model.final_norm.weight (2 of"],
     ),
     "validation inside a gradient accumulation": (
         {}, ["--trainer.accumulate_grad_batches", "4", "--trainer.val_check_interval", "10"],
