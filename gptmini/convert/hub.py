@@ -156,7 +156,7 @@ def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
             f"cannot read the weights in {directory}: they are truncated or damaged "
             f"({type(err).__name__}: {str(err)[:200]}); download them again"
         ) from None
-    where = f"{directory}'s weights"
+    where = f"the directory {directory}"
     check_float_weights(state, where)
     check_finite(state, where)
     return hf_config, state

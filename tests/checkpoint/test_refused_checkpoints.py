@@ -88,7 +88,7 @@ def test_a_hugging_face_directory_with_nan_weights_is_refused(tmp_path):
     with torch.no_grad():
         model.final_norm.weight[0] = float("nan")
     directory = export_hf(model, tmp_path / "hf", get_tokenizer("byte"))
-    with pytest.raises(ValueError, match=r"hf's weights holds non-finite weights.*"
+    with pytest.raises(ValueError, match=r"the directory .*hf holds non-finite weights.*"
                                          r"transformer.ln_f.weight \(1 of 16 values\)"):
         load_checkpoint(directory)
 
