@@ -17,7 +17,7 @@ def flag_case(flag: str, value: str):
         result, line = outcome(proc), last_line(proc)
         if result == "ok":
             result = "silent"  # trained with it
-        elif result == "clear error" and flag.lstrip("-") not in line:
+        elif result == "clear error" and flag.lstrip("-") not in proc.stderr:
             result = "silent"  # refused, but the user is not told which flag
         return result, line
 

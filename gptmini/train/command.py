@@ -188,6 +188,11 @@ class GPTCLI(LightningCLI):
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+        seed = self.config.get("seed_everything")  # seeded before any other check runs
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+            # Lightning seeds numpy too, whose seeds are 32 bits; its error names no flag.
+            raise ValueError(f"--seed_everything {seed} is out of range: use an integer from "
+                             f"0 to {2**32 - 1} (or true for a random one)")
 
 
 def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,

@@ -77,6 +77,8 @@ TRAIN_ROWS = {
                                  ["--model.attn_softcap inf is invalid"]),
     "a negative gradient_clip_val": ({}, ["--trainer.gradient_clip_val", "-1"],
                                      ["--trainer.gradient_clip_val -1"]),
+    "a seed above 32 bits": ({}, ["--seed_everything", str(2**32 + 1)],
+                             ["--seed_everything 4294967297 is out of range"]),
     "a stop_grace of nan": ({}, ["--stop_grace", ".nan"], ["--stop_grace=nan is invalid"]),
     "negative max_steps": (
         {}, ["--trainer.max_steps", "-5"], ["`max_steps` must be a non-negative integer or -1"],
