@@ -104,6 +104,13 @@ def resolve_device(name: str) -> torch.device:
         return device
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"--device {name} is not available: this torch ({torch.__version__}) is a "
+                "CPU-only build, without CUDA. Use --device cpu, or install a CUDA build "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cu128, see "
+                "https://pytorch.org/get-started/locally/)"
+            )
         if count == 0 or (device.index or 0) >= count:
             raise ValueError(
                 f"--device {name} is not available: this machine has {count} CUDA device(s) "

@@ -16,7 +16,6 @@ containers only, so a checkpoint cannot run code when it is opened. A directory 
 Hugging Face GPT-2 layout (config.json + weights) is read through `convert`.
 """
 
-import json
 import pickle
 import re
 from dataclasses import fields
@@ -26,10 +25,16 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
-from gptmini.convert import config_from_hf, config_from_llama, is_llama_architecture, load_hf
+from gptmini.convert import (
+    check_finite,
+    directory_config,
+    is_llama_architecture,
+    load_hf,
+    read_json_object,
+)
 from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
 from gptmini.model import GPTConfig, GPTModel
-from gptmini.runtime import auto_dtype
+from gptmini.runtime import auto_dtype, resolve_device
 from gptmini.tokenizer import (
     FORMAT,
     from_hf_tokenizer,
@@ -41,8 +46,10 @@ from gptmini.tokenizer import (
 __all__ = [
     "CONFIG_FIELDS",
     "MODEL_PREFIX",
+    "BUILT_IN",
     "LoadedModel",
     "check_readable",
+    "check_vocabulary",
     "load_checkpoint",
     "load_on_device",
     "model_config",
@@ -55,6 +62,8 @@ __all__ = [
 
 CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
 MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
+BUILT_IN = ("gpt2", "byte")
+"""Tokenizer names that are one vocabulary wherever they are read."""
 # The fields a config cannot do without; the others have defaults.
 _REQUIRED = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")
 
@@ -97,6 +106,8 @@ def load_checkpoint(
             f"no checkpoint at {path}; pass the .ckpt file that train.py saved (look under "
             "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
         )
+    if torch.device(map_location).type != "cpu":  # else torch.load calls the file corrupt
+        resolve_device(str(map_location))
     if path.is_dir():
         return _load_hf_directory(path, map_location)
 
@@ -120,7 +131,9 @@ def load_checkpoint(
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
     try:
+        check_vocabulary(ckpt, tokenizer)
         cfg = model_config(ckpt, tokenizer.n_vocab)
+        check_finite(model_state, "its state_dict")
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from err
 
@@ -189,14 +202,8 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
             f"no model at {path}: pass a gptmini checkpoint (.ckpt, under a run's "
             "checkpoints/) or a Hugging Face GPT-2, Llama or Qwen3 directory")
     if path.is_dir():
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no "
-                                    "config.json (save one with save_pretrained or export_hf)")
-        hf_config = json.loads(config_path.read_text())
-        llama = hf_config.get("model_type") in ("llama", "qwen3")
-        cfg = config_from_llama(hf_config) if llama else config_from_hf(hf_config)
-        tokenizer = _hf_directory_tokenizer(path, not llama)
+        cfg = directory_config(path)
+        tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))
         return cfg.fit_vocab(tokenizer.n_vocab), tokenizer
     ckpt = read_checkpoint(path, "cpu", mmap=True)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict):
@@ -213,7 +220,10 @@ def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedMo
     (GPT-2's vocabulary for a GPT-2 directory without one)."""
     model = load_hf(path)
     tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(model.cfg))
-    model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
+    try:
+        model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
+    except ValueError as err:
+        raise ValueError(f"{path / 'tokenizer.json'} is not this model's: {err}") from None
     hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
     return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
@@ -268,11 +278,12 @@ def _hf_directory_tokenizer(path: Path, gpt2_layout: bool) -> tiktoken.Encoding:
             return get_tokenizer("gpt2")
         raise ValueError(f"{path} has no tokenizer.json: a Llama directory brings its own "
                          "vocabulary, and no other would fit its embeddings")
-    data = json.loads(hf_tokenizer.read_text())
+    data = read_json_object(hf_tokenizer, "a Hugging Face tokenizer")
     try:
         return from_hf_tokenizer(data, path.name)
-    except ValueError as err:
-        kind = (data.get("model") or {}).get("type", "unknown")
+    except (ValueError, TypeError, AttributeError, KeyError) as err:
+        model = data.get("model")
+        kind = model.get("type", "unknown") if isinstance(model, dict) else "unknown"
         raise ValueError(
             f"{hf_tokenizer} cannot be used: gptmini encodes text with tiktoken, which "
             f"represents byte-level BPE vocabularies only (GPT-2's, Llama 3's), and this one "
@@ -299,6 +310,35 @@ def tokenizer_entry(ckpt: dict) -> dict:
         return saved
     return {"format": FORMAT, "name": str(ckpt.get("hyper_parameters", {}).get("tokenizer",
                                                                               "gpt2"))}
+
+
+def check_vocabulary(ckpt: dict, tokenizer: tiktoken.Encoding) -> None:
+    """Refuse a checkpoint whose tokenizer is not the one its model was trained with: a
+    model scored or sampled through another vocabulary gives wrong numbers and text without
+    any error.
+
+    The whole model config (checkpoints since padded_vocab_size) holds the model's true
+    vocab_size, which the tokenizer's count must equal (padding is padded_vocab_size); the
+    hyper_parameters name the tokenizer the run was given, which a built-in name ("gpt2",
+    "byte") pins.
+
+    Raises:
+        ValueError: naming both vocabularies and the fix.
+    """
+    saved = ckpt.get("model_config")
+    hparams = ckpt.get("hyper_parameters") or {}
+    vocab_size = saved.get("vocab_size") if isinstance(saved, dict) else None
+    fix = ("the file was assembled from two runs or edited; take the checkpoint as train.py "
+           "saved it, or re-save it with the tokenizer its model was trained with")
+    if isinstance(vocab_size, int) and vocab_size != tokenizer.n_vocab:
+        raise ValueError(
+            f"its model was trained for {vocab_size:,} token ids (model_config.vocab_size) but "
+            f"the tokenizer it carries, {tokenizer.name!r}, has {tokenizer.n_vocab:,}: {fix}")
+    trained_with = hparams.get("tokenizer")
+    if trained_with in BUILT_IN and trained_with != tokenizer.name:
+        raise ValueError(
+            f"its model was trained with --model.tokenizer {trained_with} but the tokenizer "
+            f"it carries is {tokenizer.name!r} ({tokenizer.n_vocab:,} ids): {fix}")
 
 
 def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:

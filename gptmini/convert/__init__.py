@@ -8,7 +8,14 @@ from gptmini.convert.gpt2 import (
     from_hf_state_dict,
     to_hf_state_dict,
 )
-from gptmini.convert.hub import export_hf, load_hf, read_hf_weights, write_tokenizer_files
+from gptmini.convert.hub import (
+    directory_config,
+    export_hf,
+    load_hf,
+    read_hf_weights,
+    read_json_object,
+    write_tokenizer_files,
+)
 from gptmini.convert.llama import (
     config_from_llama,
     config_to_llama,
@@ -17,14 +24,16 @@ from gptmini.convert.llama import (
     is_llama_architecture,
     to_llama_state_dict,
 )
-from gptmini.convert.weights import model_from_weights
+from gptmini.convert.weights import check_finite, model_from_weights
 
 __all__ = [
     "TABLE",
+    "check_finite",
     "config_from_hf",
     "config_from_llama",
     "config_to_hf",
     "config_to_llama",
+    "directory_config",
     "export_hf",
     "from_hf_state_dict",
     "from_llama_state_dict",
@@ -33,6 +42,7 @@ __all__ = [
     "load_hf",
     "model_from_weights",
     "read_hf_weights",
+    "read_json_object",
     "to_hf_state_dict",
     "to_llama_state_dict",
     "write_tokenizer_files",

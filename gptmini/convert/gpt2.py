@@ -17,7 +17,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from gptmini.convert.weights import model_from_weights
+from gptmini.convert.weights import (
+    config_integer,
+    config_number,
+    model_from_weights,
+    quantization_problem,
+)
 from gptmini.model import GPTConfig, GPTModel
 
 __all__ = ["TABLE", "config_from_hf", "config_to_hf", "from_hf_state_dict", "to_hf_state_dict"]
@@ -72,10 +77,17 @@ def config_from_hf(hf_config: Mapping | object) -> GPTConfig:
     if cfg.get("activation_function", "gelu_new") not in _GELU_TANH:
         problems.append(f"activation_function={cfg['activation_function']!r} (GPTModel uses "
                         "the tanh GELU, 'gelu_new')")
-    n_embd = cfg["n_embd"]
+    if problems:  # another architecture: its fields are not GPT-2's, say that first
+        raise ValueError("this GPT-2 config cannot be loaded into GPTModel: " + "; ".join(problems))
+    n_embd = config_integer(cfg, "n_embd", "GPT-2")
+    sizes = {name: config_integer(cfg, name, "GPT-2") for name in ("vocab_size", "n_head",
+                                                                    "n_layer")}
+    context = config_integer(cfg, "n_positions", "GPT-2",
+                             default=config_integer(cfg, "n_ctx", "GPT-2", default=1024))
     if cfg.get("n_inner") not in (None, 4 * n_embd):
-        problems.append(f"n_inner={cfg['n_inner']} (GPTModel's MLP is 4 * n_embd = {4 * n_embd})")
-    if abs(cfg.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+        problems.append(f"n_inner={cfg['n_inner']!r} (GPTModel's MLP is 4 * n_embd = "
+                        f"{4 * n_embd})")
+    if abs(config_number(cfg, "layer_norm_epsilon", "GPT-2", 1e-5) - 1e-5) > 1e-12:
         problems.append(f"layer_norm_epsilon={cfg['layer_norm_epsilon']} (GPTModel uses 1e-5)")
     if cfg.get("scale_attn_by_inverse_layer_idx", False) or not cfg.get(
         "scale_attn_weights", True
@@ -83,14 +95,16 @@ def config_from_hf(hf_config: Mapping | object) -> GPTConfig:
         problems.append("non-standard attention scaling (GPTModel divides by sqrt(head_dim))")
     if cfg.get("add_cross_attention", False):
         problems.append("add_cross_attention=True")
+    if cfg.get("quantization_config") is not None:
+        problems.append(quantization_problem(cfg["quantization_config"]))
     if problems:
         raise ValueError("this GPT-2 config cannot be loaded into GPTModel: " + "; ".join(problems))
     return GPTConfig(
-        vocab_size=cfg["vocab_size"],
-        context_length=cfg.get("n_positions", cfg.get("n_ctx", 1024)),
+        vocab_size=sizes["vocab_size"],
+        context_length=context,
         emb_dim=n_embd,
-        n_heads=cfg["n_head"],
-        n_layers=cfg["n_layer"],
+        n_heads=sizes["n_head"],
+        n_layers=sizes["n_layer"],
         drop_rate=0.0,  # for inference; dropout has no weights to convert
         qkv_bias=True,
         tie_weights=bool(cfg.get("tie_word_embeddings", True)),

@@ -3,6 +3,8 @@
 picked by the config."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -11,45 +13,147 @@ from safetensors.torch import load_file, save_file
 from tiktoken import Encoding
 from torch import Tensor
 
-from gptmini.convert.gpt2 import config_to_hf, from_hf_state_dict, to_hf_state_dict
+from gptmini.convert.gpt2 import (
+    config_from_hf,
+    config_to_hf,
+    from_hf_state_dict,
+    to_hf_state_dict,
+)
 from gptmini.convert.llama import (
+    config_from_llama,
     config_to_llama,
     from_llama_state_dict,
     is_llama_architecture,
     to_llama_state_dict,
 )
-from gptmini.model import GPTModel
+from gptmini.convert.staging import staged_directory
+from gptmini.convert.weights import check_finite, check_float_weights
+from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
-__all__ = ["export_hf", "load_hf", "read_hf_weights", "write_tokenizer_files"]
+__all__ = ["LAYOUTS", "export_hf", "load_hf", "model_type", "read_hf_config",
+           "read_hf_weights", "read_json_object",
+           "write_tokenizer_files"]
+
+
+LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
+"""The `model_type`s gptmini reads (Qwen3's is Llama's layout with QK-norm)."""
 
 
 def load_hf(directory: str | Path) -> GPTModel:
-    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2 or Llama directory."""
-    hf_config, state = read_hf_weights(directory)
-    if hf_config.get("model_type") in ("llama", "qwen3"):
-        return from_llama_state_dict(state, hf_config)
-    return from_hf_state_dict(state, hf_config)
+    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama or Qwen3 directory.
 
-
-def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """`config.json` and the weights of a Hugging Face directory: `model.safetensors` (or a
-    sharded `model.safetensors.index.json`, or `pytorch_model.bin` with weights only)."""
+    Raises:
+        FileNotFoundError: no config.json or no weights.
+        ValueError: naming the file and the field: a config of another architecture, a
+            field gptmini cannot read or compute, weights that are damaged, quantized or
+            not finite.
+    """
     directory = Path(directory)
+    # The config first: a directory of another architecture is not read further.
+    gpt2 = not is_llama_architecture(directory_config(directory))
+    hf_config, state = read_hf_weights(directory)
+    try:
+        if gpt2:
+            return from_hf_state_dict(state, hf_config)
+        return from_llama_state_dict(state, hf_config)
+    except ValueError as err:
+        raise ValueError(f"{directory}: {err}") from None
+
+
+def directory_config(directory: str | Path) -> GPTConfig:
+    """The `GPTConfig` a Hugging Face GPT-2, Llama or Qwen3 directory's config.json
+    describes, without reading its weights.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: naming the file and the field, as `load_hf`.
+    """
+    directory = Path(directory)
+    hf_config = read_hf_config(directory)
+    try:
+        gpt2 = model_type(hf_config) == "gpt2"
+        return (config_from_hf if gpt2 else config_from_llama)(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{directory / 'config.json'}: {err}") from None
+
+
+def model_type(hf_config: dict) -> str:
+    """Which of `LAYOUTS` a config.json describes: its `model_type`, else its
+    `architectures` (GPT-2's when it names neither, as the oldest GPT-2 configs).
+
+    Raises:
+        ValueError: another architecture (DeepSeek's, Mistral's, ...), named.
+    """
+    kind = hf_config.get("model_type")
+    architectures = hf_config.get("architectures") or []
+    if kind is None and isinstance(architectures, list) and architectures:
+        names = {"GPT2": "gpt2", "Llama": "llama", "Qwen3": "qwen3"}
+        kind = next((v for k, v in names.items() if str(architectures[0]).startswith(k)),
+                    architectures[0])
+    kind = "gpt2" if kind is None else kind
+    if not isinstance(kind, str) or kind not in LAYOUTS:
+        raise ValueError(
+            f"it describes a model_type={hf_config.get('model_type')!r} "
+            f"(architectures {architectures!r}) model, which gptmini does not read: it reads "
+            f"{', '.join(f'{k!r} ({v})' for k, v in LAYOUTS.items())} directories")
+    return kind
+
+
+def read_hf_config(directory: Path) -> dict:
+    """A Hugging Face directory's config.json.
+
+    Raises:
+        FileNotFoundError: there is none.
+        ValueError: it is not a JSON object.
+    """
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{directory} is not a Hugging Face model directory: no config.json "
             "(save one with save_pretrained or gptmini.convert.export_hf)"
         )
-    hf_config = json.loads(config_path.read_text())
+    return read_json_object(config_path, "a Hugging Face model config")
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in `path` (`what` it is, for the error).
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON, or holds something other than an object.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err}); it should be {what}: download or "
+                         "export it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object; it "
+                         f"should be {what}: download or export it again")
+    return data
+
+
+def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """`config.json` and the weights of a Hugging Face directory: `model.safetensors` (or a
+    sharded `model.safetensors.index.json`, or `pytorch_model.bin` with weights only).
+
+    Raises:
+        FileNotFoundError: no config.json, or no weights.
+        ValueError: a file is damaged or not JSON; the weights are quantized (integer or
+            8-bit) or hold NaN or infinity (each named).
+    """
+    directory = Path(directory)
+    hf_config = read_hf_config(directory)
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     bin_file = directory / "pytorch_model.bin"
     try:
         if single.is_file():
             state = load_file(single)
         elif index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object")
+            shards = sorted(set(map(str, weight_map.values())))
             state = {k: v for shard in shards for k, v in load_file(directory / shard).items()}
         elif bin_file.is_file():
             state = torch.load(bin_file, map_location="cpu", weights_only=True)
@@ -65,6 +169,9 @@ def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
             f"cannot read the weights in {directory}: they are truncated or damaged "
             f"({type(err).__name__}: {str(err)[:200]}); download them again"
         ) from None
+    where = f"the directory {directory}"
+    check_float_weights(state, where)
+    check_finite(state, where)
     return hf_config, state
 
 
@@ -81,9 +188,15 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
     carries both: `loaded = load_checkpoint(path); export_hf(loaded.model, directory,
     loaded.tokenizer)`.
 
+    The directory is written whole or not at all (gptmini.convert.staging): beside the
+    target first, then swapped in, so a failure (a full disk) leaves an earlier export there
+    as it was, and nothing of another model (its tokenizer.json) stays beside the new one.
+
     Raises:
         ValueError: the model uses grouped-query or sliding-window attention, or
-            `tokenizer` does not have the model's number of ids.
+            `tokenizer` does not have the model's number of ids, or `directory` holds other
+            files than a model's.
+        OSError: the directory could not be written (the earlier one is unchanged).
     """
     if is_llama_architecture(model.cfg):
         hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
@@ -91,11 +204,21 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
         hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
     state = {k: v.cpu() for k, v in state.items()}
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:
-        write_tokenizer_files(model, tokenizer, directory, hf_config)
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    try:
+        with staged_directory(directory) as stage:
+            if tokenizer is not None:
+                write_tokenizer_files(model, tokenizer, stage, hf_config)
+            config = stage / "config.json"
+            config.write_text(json.dumps(hf_config, indent=2) + "\n")
+            weights = stage / "model.safetensors"
+            save_file(state, weights, metadata={"format": "pt"})
+            # safetensors writes 0600 whatever the umask; the rest is 0644 under the usual one.
+            os.chmod(weights, stat.S_IMODE(config.stat().st_mode))
+    except (OSError, SafetensorError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise OSError(
+            f"could not write the export {directory} ({reason}); what was there is "
+            "unchanged. Free space, or pick a writable place, then export again") from err
     return directory
 
 

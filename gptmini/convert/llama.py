@@ -20,11 +20,16 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from gptmini.convert.weights import model_from_weights
+from gptmini.convert.weights import (
+    config_integer,
+    config_number,
+    model_from_weights,
+    quantization_problem,
+)
 from gptmini.model import GPTConfig, GPTModel
 
 __all__ = ["TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
-           "interleaved_to_halves", "is_llama_architecture", "to_llama_state_dict"]
+           "interleaved_to_halves", "is_llama_architecture", "rope_base", "to_llama_state_dict"]
 
 TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
     ("tok_emb.weight", "model.embed_tokens.weight"),
@@ -73,21 +78,25 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
             scaling, another activation, a head size other than hidden / heads).
     """
     c = dict(hf_config)
-    heads = c["num_attention_heads"]
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    problems = []
+    sizes = {name: config_integer(c, name, "Llama") for name in (
+        "vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
+        "intermediate_size", "max_position_embeddings")}
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = (heads if c.get("num_key_value_heads") is None
+                else config_integer(c, "num_key_value_heads", "Llama"))
+    theta, problems = rope_base(c)
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (SwiGLU here is SiLU-gated)")
     if c.get("attention_bias") or c.get("mlp_bias"):
         problems.append("attention_bias/mlp_bias (gptmini's Llama layout has no biases)")
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} (only "
-                        "plain rotary positions)")
-    if c.get("head_dim", c["hidden_size"] // heads) != c["hidden_size"] // heads:
-        problems.append(f"head_dim={c['head_dim']} (gptmini's is hidden_size / heads)")
+    if c.get("head_dim") not in (None, hidden // heads):
+        problems.append(f"head_dim={c['head_dim']!r} (gptmini's is hidden_size / heads = "
+                        f"{hidden // heads})")
+    if c.get("quantization_config") is not None:
+        problems.append(quantization_problem(c["quantization_config"]))
     qk_norm = c.get("model_type") == "qwen3"
-    if qk_norm and c.get("rms_norm_eps", QK_NORM_EPS) != QK_NORM_EPS:
+    norm_eps = config_number(c, "rms_norm_eps", "Llama", 1e-6)
+    if qk_norm and norm_eps != QK_NORM_EPS:
         problems.append(f"rms_norm_eps={c['rms_norm_eps']} with QK-norm (gptmini's QK-norm "
                         f"uses {QK_NORM_EPS})")
     if qk_norm and c.get("use_sliding_window"):
@@ -95,16 +104,51 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
     if problems:
         raise ValueError("this Llama config cannot be loaded into GPTModel: "
                          + "; ".join(problems))
-    kv_heads = c.get("num_key_value_heads") or heads
     return GPTConfig(
-        vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"],
-        emb_dim=c["hidden_size"], n_heads=heads, n_layers=c["num_hidden_layers"],
+        vocab_size=sizes["vocab_size"], context_length=sizes["max_position_embeddings"],
+        emb_dim=hidden, n_heads=heads, n_layers=sizes["num_hidden_layers"],
         drop_rate=0.0, n_kv_heads=None if kv_heads == heads else kv_heads,
-        tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=float(theta),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), mlp_hidden_dim=c["intermediate_size"],
+        tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=theta,
+        norm_eps=norm_eps, mlp_hidden_dim=sizes["intermediate_size"],
         qk_norm=qk_norm, **{k: v for k, v in LLAMA.items() if k not in ("qk_norm",
                                                                           "attn_softcap")},
     )
+
+
+ROPE_KEYS = ("rope_type", "type", "rope_theta")
+"""What a rope_parameters / rope_scaling entry may hold for plain rotary positions."""
+
+
+def rope_base(config: Mapping) -> tuple[float, list[str]]:
+    """The rotary base a Llama config asks for, and what of its rope entries gptmini cannot
+    compute: `rope_scaling` and `rope_parameters` are both read (a config may carry a
+    default one beside a scaled one), and anything but plain rotary positions is named.
+    """
+    problems, thetas = [], []
+    if config.get("rope_theta") is not None:
+        thetas.append(config_number(config, "rope_theta", "Llama", 10000.0))
+    for key in ("rope_parameters", "rope_scaling"):
+        entry = config.get(key)
+        if entry is None:
+            continue
+        if not isinstance(entry, Mapping):
+            problems.append(f"{key}={entry!r} (gptmini reads an object such as "
+                            "{'rope_type': 'default'}, or null)")
+            continue
+        kind = entry.get("rope_type", entry.get("type"))
+        extra = sorted(k for k in entry if k not in ROPE_KEYS)
+        if kind not in (None, "default"):
+            problems.append(f"rope scaling {kind!r} in {key} (only plain rotary positions, "
+                            "rope_type 'default')")
+        elif extra:
+            problems.append(f"{key} with {', '.join(f'{k}={entry[k]!r}' for k in extra)} and "
+                            f"rope_type {kind!r} (gptmini reads plain rotary positions only: "
+                            "no scaling factor)")
+        if entry.get("rope_theta") is not None:
+            thetas.append(config_number(entry, "rope_theta", f"Llama {key}", 10000.0))
+    if len(set(thetas)) > 1:
+        problems.append(f"rope_theta values that differ ({sorted(set(thetas))})")
+    return (thetas[0] if thetas else 10000.0), problems
 
 
 def config_to_llama(cfg: GPTConfig) -> dict:

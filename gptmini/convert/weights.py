@@ -1,10 +1,16 @@
-"""What every Hugging Face layout shares: weights renamed to gptmini's, into a GPTModel."""
+"""What every Hugging Face layout shares: weights renamed to gptmini's, into a GPTModel; the
+checks a config.json's fields and a state dict's tensors pass before they are used."""
 
+import math
+from collections.abc import Mapping
+
+import torch
 from torch import Tensor
 
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["model_from_weights"]
+__all__ = ["check_finite", "check_float_weights", "config_integer", "config_number",
+           "model_from_weights", "quantization_problem"]
 
 
 def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list[str],
@@ -13,11 +19,13 @@ def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list
     `layout` state dict in which the keys `unknown` had no place.
 
     Raises:
-        ValueError: weights with no place, or weights that do not fit `cfg`.
+        ValueError: weights with no place, quantized weights, or weights that do not fit
+            `cfg` (non-finite ones are refused by `load_hf`, which reads the whole file).
     """
     if unknown:
         raise ValueError(f"the {layout} state dict has weights GPTModel has no place for: "
                          f"{unknown[:5]}")
+    check_float_weights(weights, f"the {layout} state dict")  # free; finiteness reads them all
     if cfg.tie_weights:
         weights["out_head.weight"] = weights["tok_emb.weight"]
     model = GPTModel(cfg)
@@ -26,3 +34,82 @@ def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list
     except RuntimeError as err:
         raise ValueError(f"the {layout} weights do not fit its config ({cfg}):\n{err}") from err
     return model.eval()
+
+
+def check_float_weights(weights: Mapping[str, Tensor], where: str) -> None:
+    """Refuse integer and 8-bit weights: quantized ones, whose scales live elsewhere, would
+    be copied into float parameters as their raw codes.
+
+    Raises:
+        ValueError: naming the first such tensor and its dtype.
+    """
+    for name, tensor in weights.items():
+        if isinstance(tensor, Tensor) and (not tensor.is_floating_point()
+                                           or tensor.element_size() < 2):
+            raise ValueError(
+                f"{where} holds quantized weights ({name} is {tensor.dtype}); gptmini loads "
+                "float32, float16 or bfloat16 weights only, and would copy the codes without "
+                "their scales. Dequantize them first (e.g. load with transformers and "
+                "save_pretrained the float model)")
+
+
+def check_finite(weights: Mapping[str, Tensor], where: str) -> None:
+    """Refuse weights holding NaN or infinity, which make every output NaN.
+
+    Raises:
+        ValueError: naming each such tensor (up to three) and how many values are not
+            finite.
+    """
+    bad = []
+    for name, tensor in weights.items():
+        if isinstance(tensor, Tensor) and tensor.is_floating_point():
+            count = int((~torch.isfinite(tensor)).sum())
+            if count:
+                bad.append(f"{name} ({count:,} of {tensor.numel():,} values)")
+    if bad:
+        more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+        raise ValueError(
+            f"{where} holds non-finite weights (NaN or infinity): {', '.join(bad[:3])}{more}; "
+            "every output would be NaN. A run that diverged saved them: take an earlier "
+            "checkpoint (best.ckpt, or a copy from before the divergence)")
+
+
+def config_integer(config: Mapping, name: str, layout: str, default: int | None = None) -> int:
+    """`config[name]` as a positive integer (`default` when it is absent, if given).
+
+    Raises:
+        ValueError: naming the field, what it holds and what gptmini reads.
+    """
+    if name not in config and default is not None:
+        return default
+    if name not in config:
+        raise ValueError(f"the {layout} config has no {name!r}, which gptmini reads as a "
+                         "positive integer; is it another architecture's config?")
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the {layout} config's {name!r} is {value!r}; gptmini reads a "
+                         "positive integer there")
+    return value
+
+
+def config_number(config: Mapping, name: str, layout: str, default: float) -> float:
+    """`config[name]` as a finite positive number (`default` when absent or null).
+
+    Raises:
+        ValueError: naming the field, what it holds and what gptmini reads.
+    """
+    value = config.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"the {layout} config's {name!r} is {value!r}; gptmini reads a "
+                         "finite positive number there")
+    return float(value)
+
+
+def quantization_problem(quantization: object) -> str:
+    """What a config's `quantization_config` is, as a reason it cannot be loaded."""
+    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+    return (f"quantization_config (quant_method={method!r}: quantized weights, whose scales "
+            "gptmini does not apply; dequantize and save the float model first)")

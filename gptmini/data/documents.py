@@ -337,6 +337,12 @@ def _not_utf8(spec: CorpusSpec, cause: UnicodeDecodeError) -> ValueError:
             f"mark. Convert it: iconv -f {encoding.split()[0]} -t UTF-8 {found[0].name} > "
             f"{found[0].stem}.utf8{found[0].suffix}"
         )
+    kind = _binary_kind(found[0]) if found else None
+    if kind is not None:  # no text encoding to convert from: Latin-1 advice would mislead
+        return ValueError(
+            f"{found[0]} is not text: it is {kind}. A corpus is text (.txt, .md), json lines "
+            "with a text field, or parquet; point the source at those files (UTF-16 or "
+            "UTF-32 text without a byte-order mark: convert it with iconv -t UTF-8)")
     where = (
         f"{found[0]} is not valid UTF-8 (byte 0x{found[2]:02x} near offset {found[1]})"
         if found
@@ -355,6 +361,22 @@ _BYTE_ORDER_MARKS = (  # longest first: UTF-32 LE starts with UTF-16 LE's mark
     (b"\xff\xfe", "UTF-16LE (little-endian)"),
     (b"\xfe\xff", "UTF-16BE (big-endian)"),
 )
+
+
+_MAGIC = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"),
+          (b"GIF8", "a GIF image"), (b"%PDF", "a PDF document"),
+          (b"PK\x03\x04", "a zip archive (or a .docx/.xlsx, or a torch checkpoint)"),
+          (b"\x1f\x8b", "gzip-compressed (name it .gz)"), (b"\x7fELF", "a program"),
+          (b"SQLite format 3", "an SQLite database"))
+
+
+def _binary_kind(path: Path) -> str | None:
+    """What a file that is not text is (by its magic bytes, or a NUL among its first 8 KiB:
+    text in any 8-bit encoding has none), or None for text in some other encoding."""
+    with _open_binary(path) as f:
+        head = f.read(8192)
+    known = next((kind for magic, kind in _MAGIC if head.startswith(magic)), None)
+    return known or ("a binary file (it holds NUL bytes)" if b"\0" in head else None)
 
 
 def _byte_order_mark(path: Path) -> str | None:

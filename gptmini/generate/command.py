@@ -7,15 +7,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from gptmini.checkpoint import load_on_device
 from gptmini.finetune.chat import template_for
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.engine import Engine
 from gptmini.generate.loop import stream_text
-from gptmini.generate.sampling import SEED_RANGE, SamplingParams
+from gptmini.generate.sampling import SEED_RANGE, SamplingParams, seeded_generator
 from gptmini.runtime import add_device_options, resolve_device
 
 
@@ -104,7 +102,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
 
     generator = None
     if args.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(args.seed)
+        generator = seeded_generator(args.seed, device)  # every bit of the seed counts
     out = sys.stdout
     for i in range(args.num_samples):
         if args.num_samples > 1:

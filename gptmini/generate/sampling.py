@@ -12,6 +12,7 @@ only on its own logits, settings and generator, never on which rows sit beside i
 """
 
 import codecs
+import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -23,12 +24,33 @@ from torch import Tensor
 
 __all__ = ["MAX_LOGPROBS", "SEED_RANGE", "Detokenizer", "RequestError", "SamplingError",
            "SamplingParams", "TokenLogprobs", "held_back", "json_type", "sample",
-           "sample_next_token", "token_logprobs"]
+           "sample_next_token", "seeded_generator", "token_logprobs", "torch_seed"]
 
 MAX_LOGPROBS = 20
 """Most candidates per token `SamplingParams.logprobs` may ask (OpenAI's limit)."""
 SEED_RANGE = (-2**63, 2**64)
 """OpenAI's seed is a 64-bit integer; either signedness is taken."""
+TORCH_SEEDS = 2**32
+"""torch's CPU generator (a Mersenne Twister) starts from 32 bits of what manual_seed is
+given and drops the rest, so seeds 1 and 2**32 + 1 would draw the same stream."""
+
+
+def torch_seed(seed: int) -> int:
+    """What to hand `torch.Generator.manual_seed` for `seed`, any integer of SEED_RANGE, so
+    that every bit of it counts: a seed in [0, 2**32) as it is (the streams it always
+    gave), any other hashed (BLAKE2b) to 64 bits, whose low 32, all the CPU keeps, depend
+    on every bit of the seed. Two distinct seeds then share a CPU stream only by a 1 in
+    2**32 chance, as two hashed ones do on the server."""
+    if 0 <= seed < TORCH_SEEDS:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8, person=b"gptmini-seed")
+    return int.from_bytes(digest.digest(), "little")
+
+
+def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator on `device` whose stream is `seed`'s (see `torch_seed`): the one
+    way generate.py, the engine, `generate()` and the server seed their draws."""
+    return torch.Generator(device=device).manual_seed(torch_seed(seed))
 
 
 @dataclass(frozen=True)
@@ -109,10 +131,11 @@ class SamplingParams:
                                 f"JSON array) of them, {_got(self.stop)}")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A fresh generator seeded with `seed`, or None (torch's global one) without."""
+        """A fresh generator of `seed`'s stream (`seeded_generator`), or None (torch's
+        global one) without."""
         if self.seed is None:
             return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+        return seeded_generator(self.seed, device)
 
 
 class RequestError(ValueError):

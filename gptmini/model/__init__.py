@@ -4,8 +4,16 @@
 Imports only torch, so `GPTModel` can be lifted into any training loop.
 """
 
-from gptmini.model.config import GPT_CONFIG_124M, MLPS, NORMS, PRESETS, GPTConfig
+from gptmini.model.config import (
+    GPT_CONFIG_124M,
+    MLPS,
+    NORMS,
+    PRESETS,
+    ConfigError,
+    GPTConfig,
+    is_finite_number,
+)
 from gptmini.model.gpt import GPTModel, TransformerBlock, cross_entropy
 
-__all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "GPTConfig", "GPTModel",
-           "TransformerBlock", "cross_entropy"]
+__all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
+           "GPTModel", "TransformerBlock", "cross_entropy", "is_finite_number"]

@@ -2,12 +2,14 @@
 and the modern options (rotary or ALiBi positions, RMSNorm, SwiGLU or ReLU², QK-norm,
 no biases, soft-capped scores) beside them."""
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from gptmini.attention import kernels
 from gptmini.attention.positions import SCHEMES, PositionScheme
 
-__all__ = ["GPT_CONFIG_124M", "GPTConfig", "MLPS", "NORMS", "PRESETS"]
+__all__ = ["GPT_CONFIG_124M", "ConfigError", "GPTConfig", "MLPS", "NORMS", "PRESETS",
+           "is_finite_number"]
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "relu2")
@@ -22,6 +24,25 @@ GPT_CONFIG_124M = {
     "drop_rate": 0.1,
     "qkv_bias": False,
 }
+
+
+class ConfigError(ValueError):
+    """A GPTConfig field refused: `field`, its `value` and the `fix`, so that a command can
+    name its own flag for it (`for_flag`)."""
+
+    def __init__(self, field: str, value: object, fix: str):
+        super().__init__(f"GPTConfig.{field}={value!r} is invalid: {fix}")
+        self.field, self.value, self.fix = field, value, fix
+
+    def for_flag(self, prefix: str = "--model.") -> str:
+        """The message with the field named as the command line's flag."""
+        return f"{prefix}{self.field} {self.value!r} is invalid: {self.fix}"
+
+
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool, not a string) that is neither NaN nor infinite."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 @dataclass
@@ -89,7 +110,13 @@ class GPTConfig:
 
     def _need(self, ok: bool, field: str, fix: str) -> None:
         if not ok:
-            raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+            raise ConfigError(field, getattr(self, field), fix)
+
+    def _need_number(self, field: str, ok, fix: str) -> None:
+        """A float setting: a finite number (checked first: NaN fails no comparison of
+        the kind `not x > 0` and inf passes most) for which `ok` holds."""
+        value = getattr(self, field)
+        self._need(is_finite_number(value) and ok(value), field, fix)
 
     def _check_shape(self) -> None:
         """The sizes: counts, heads that divide the width, rates, window, vocabulary."""
@@ -98,10 +125,10 @@ class GPTConfig:
             value = getattr(self, field)
             need(isinstance(value, int) and value >= 1, field, "use a positive integer")
         need(self.emb_dim % self.n_heads == 0, "n_heads", f"it must divide emb_dim={self.emb_dim}")
-        need(0.0 <= self.drop_rate < 1.0, "drop_rate", "use a value in [0, 1)")
+        self._need_number("drop_rate", lambda x: 0.0 <= x < 1.0, "use a number in [0, 1)")
         if self.attn_drop_rate is not None:
-            need(0.0 <= self.attn_drop_rate < 1.0, "attn_drop_rate",
-                 "use a value in [0, 1), or None for drop_rate")
+            self._need_number("attn_drop_rate", lambda x: 0.0 <= x < 1.0,
+                              "use a number in [0, 1), or None for drop_rate")
         if self.n_kv_heads is not None:
             need(isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 1
                  and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
@@ -126,18 +153,22 @@ class GPTConfig:
              f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
              "'package.module:ClassName'")
         need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
+        self._need_number("rope_theta", lambda x: x > 1.0,
+                          "use a finite base above 1, such as 10000 (Llama 3: 500000)")
         try:
             self.position_scheme()
         except ValueError as err:
             raise ValueError(f"GPTConfig.position={self.position!r} does not fit this model: "
                              f"{err}") from None
         need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
-        need(isinstance(self.norm_eps, int | float) and self.norm_eps > 0, "norm_eps",
-             "use a small positive number such as 1e-5")
+        # An epsilon of 1 or more swamps the variance it is added to: every token's
+        # normalized activations shrink toward zero, and the model predicts one distribution.
+        self._need_number("norm_eps", lambda x: 0.0 < x < 1.0,
+                          "use a small positive number below 1, such as 1e-5")
         need(self.mlp in MLPS, "mlp", f"use one of {', '.join(MLPS)}")
         if self.attn_softcap is not None:
-            need(isinstance(self.attn_softcap, int | float) and self.attn_softcap > 0,
-                 "attn_softcap", "use a positive cap such as 50, or None for no cap")
+            self._need_number("attn_softcap", lambda x: x > 0.0,
+                              "use a finite positive cap such as 50, or None for no cap")
 
     def position_scheme(self) -> PositionScheme:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
+    MODEL_PREFIX,
     check_readable,
     model_config,
     model_source,
@@ -36,9 +37,11 @@ from gptmini.checkpoint import (
     tokenizer_entry,
 )
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
+from gptmini.convert import check_finite
 from gptmini.data import Corpus, GPTDataModule
 from gptmini.data.labels import Labels
 from gptmini.data.vocab import parse_bpe
+from gptmini.model import is_finite_number
 from gptmini.runtime import AUTO, auto_precision
 from gptmini.tokenizer import (
     get_tokenizer,
@@ -274,6 +277,11 @@ class GPTCLI(LightningCLI):
         self._args = sys.argv[1:] if args is None else list(args)
         check_keys(parser, self._args)
         super().parse_arguments(parser, args)
+        seed = self.config.get("seed_everything")  # seeded before any other check runs
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+            # Lightning seeds numpy too, whose seeds are 32 bits; its error names no flag.
+            raise ValueError(f"--seed_everything {seed} is out of range: use an integer from "
+                             f"0 to {2**32 - 1} (or true for a random one)")
 
 
 def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,
@@ -393,7 +401,7 @@ def _fit(cli: GPTCLI):
     elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
     if ckpt is not None:
-        check_readable(checkpoints / "last.ckpt" if ckpt == "last" else ckpt)
+        check_resumable(checkpoints / "last.ckpt" if ckpt == "last" else Path(ckpt))
     existing = sorted(p.name for p in checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
     if ckpt is None and existing:
         raise ValueError(
@@ -408,14 +416,34 @@ def _fit(cli: GPTCLI):
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
 
 
+def check_resumable(path: Path) -> None:
+    """Fail now, naming the file, if `path` cannot be resumed: unreadable, or its weights
+    hold NaN or infinity (a resume would stop at its first step blaming the learning rate).
+
+    Raises:
+        ValueError: naming the file (and the tensors that are not finite).
+    """
+    check_readable(path)
+    state = read_checkpoint(path, "cpu", mmap=True)
+    weights = state.get("state_dict") if isinstance(state, dict) else None
+    if isinstance(weights, dict):
+        check_finite({k: v for k, v in weights.items() if k.startswith(MODEL_PREFIX)},
+                     f"--ckpt_path {path}")
+
+
 def check_intervals(config) -> None:
     """gptmini's own step counts: one clear line instead of a failure deep in a callback."""
     for name, low in (("checkpoint_every", 1), ("sample_every", 0), ("attention_every", 0),
                       ("stop_grace", 0)):
         value = config[name]
-        if value < low:
+        if not is_finite_number(value) or value < low:  # NaN is not below anything
             raise ValueError(f"--{name}={value} is invalid: use {low} or more"
                              + (" (0 turns it off)" if low == 0 and name != "stop_grace" else ""))
+    clip = config.trainer.gradient_clip_val
+    if clip is not None and not (is_finite_number(clip) and clip >= 0):
+        # A negative norm would flip every gradient; NaN would make every one NaN.
+        raise ValueError(f"--trainer.gradient_clip_val {clip} is invalid: use a finite number, "
+                         "0 or more (e.g. 1.0), or leave it unset to measure without clipping")
 
 
 def check_accumulation(trainer: Trainer) -> None:

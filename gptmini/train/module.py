@@ -20,7 +20,7 @@ from gptmini.finetune import (
     class_logits,
     count_parameters,
 )
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel, is_finite_number
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import peak_flops_of
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
@@ -105,15 +105,17 @@ class GPTLitModule(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        _check_range("learning_rate", learning_rate, 1e-12, math.inf)
-        _check_range("warmup_steps", warmup_steps, 0, math.inf)
-        _check_range("min_lr_ratio", min_lr_ratio, 0.0, 1.0)
-        _check_range("weight_decay", weight_decay, 0.0, math.inf)
-        _check_range("muon_learning_rate", muon_learning_rate, 1e-12, math.inf)
+        check_settings(learning_rate=learning_rate, muon_learning_rate=muon_learning_rate,
+                       min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps,
+                       weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                       peak_flops=peak_flops, loss_chunk_size=loss_chunk_size)
         check_optimizer(optimizer)  # a torch without Muon fails here, before any data is read
         self.tokenizer = get_tokenizer(tokenizer)
         """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
-        self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
+        try:
+            self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
+        except ConfigError as err:  # named as the flag the user typed
+            raise ValueError(err.for_flag("--model.")) from None
         self.model = GPTModel(self.cfg)
         self.lora_targets = tuple(lora_targets or DEFAULT_TARGETS)
         if classes is not None:
@@ -501,3 +503,34 @@ def contradictions(source: GPTConfig, given: dict) -> list[str]:
 def _check_range(name: str, value: float, low: float, high: float):
     if not low <= value <= high:
         raise ValueError(f"model.{name}={value} must be in [{low}, {high}]")
+
+
+SETTINGS = {  # name: (the range it must be in, what to use)
+    "learning_rate": (lambda x: x > 0, "a positive number such as 1e-3"),
+    "muon_learning_rate": (lambda x: x > 0, "a positive number such as 2e-3"),
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "a number in [0, 1]"),
+    "warmup_steps": (lambda x: x >= 0, "an integer, 0 or more"),
+    "weight_decay": (lambda x: x >= 0, "a number, 0 or more, such as 0.1"),
+    # A beta of 1 never forgets: the moment estimates stay at their start.
+    "beta1": (lambda x: 0 <= x < 1, "a number in [0, 1), such as 0.9"),
+    "beta2": (lambda x: 0 <= x < 1, "a number in [0, 1), such as 0.95"),
+    "peak_flops": (lambda x: x > 0, "a positive number of FLOP/s, or None to measure it"),
+    "loss_chunk_size": (lambda x: x >= 1, "an integer, 1 or more, or None for all at once"),
+}
+"""GPTLitModule's optimization settings: each a finite number in its range."""
+
+
+def check_settings(**values) -> None:
+    """Refuse a setting of `SETTINGS` that is not a finite number in its range (None where
+    the setting allows it), naming its flag.
+
+    Raises:
+        ValueError: e.g. "--model.beta1 1.5 is invalid: use a number in [0, 1), such as 0.9".
+    """
+    for name, value in values.items():
+        in_range, what = SETTINGS[name]
+        if value is None and "None" in what:
+            continue
+        kind_ok = isinstance(value, int) if what.startswith("an integer") else True
+        if not (is_finite_number(value) and kind_ok and in_range(value)):
+            raise ValueError(f"--model.{name} {value!r} is invalid: use {what}")

@@ -138,6 +138,18 @@ def test_file_that_is_not_utf8_is_named_and_replace_works(tmp_path, name):
     assert "caf\ufffd cr\ufffdme" in ENC.decode(train)
 
 
+@pytest.mark.parametrize(("content", "kind"), [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "a PNG image"),
+    (b"%PDF-1.7\n\xe2\xe3\xcf\xd3\n", "a PDF document"),
+    (b"model weights \x00\x01\xff\x00\xee", r"a binary file \(it holds NUL bytes\)"),
+])
+def test_a_binary_file_is_called_binary_not_latin1(tmp_path, content, kind):
+    (tmp_path / "data.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=rf"data.txt is not text: it is {kind}") as caught:
+        tokens_of(tmp_path / "data.txt", tmp_path / "c")
+    assert "latin" not in str(caught.value).lower()
+
+
 def test_not_utf8_while_streaming(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"ok \xff no")
     with pytest.raises(ValueError, match=r"bad\.txt is not valid UTF-8 \(byte 0xff near offset 3"):

@@ -14,6 +14,7 @@ from gptmini.generate.sampling import (
     SamplingParams,
     sample,
     sample_next_token,
+    seeded_generator,
 )
 
 SETTINGS = st.builds(
@@ -204,3 +205,24 @@ def test_a_new_sampling_option_is_one_edit_of_sampling_py(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(tmp_path)},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+SEED_PAIRS = [(1, 2**32 + 1), (0, 2**32), (2**32 - 1, -1), (5, 2**63 + 5), (7, -(2**63) + 7),
+              (2**40, 2**40 + 2**32), (-1, -2)]
+
+
+@pytest.mark.parametrize(("a", "b"), SEED_PAIRS)
+def test_seeds_that_differ_only_above_32_bits_draw_different_streams(a, b):
+    """torch's CPU generator keeps 32 bits of manual_seed's value: these pairs drew the
+    same numbers before the seed was mixed (issue 36 item 6)."""
+    draws = [torch.rand(8, generator=seeded_generator(s)) for s in (a, b)]
+    assert not torch.equal(*draws)
+    params = [SamplingParams(temperature=1.0, seed=s).generator() for s in (a, b)]
+    assert not torch.equal(*(torch.rand(8, generator=g) for g in params))
+    assert torch.equal(torch.rand(8, generator=seeded_generator(a)), draws[0])  # a function
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234, 2**31, 2**32 - 1])
+def test_seeds_below_2_to_the_32_keep_the_streams_they_always_gave(seed):
+    assert torch.equal(torch.rand(8, generator=seeded_generator(seed)),
+                       torch.rand(8, generator=torch.Generator().manual_seed(seed)))

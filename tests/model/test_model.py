@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.model import GPT_CONFIG_124M, PRESETS, GPTConfig, GPTModel
+from gptmini.model import GPT_CONFIG_124M, PRESETS, ConfigError, GPTConfig, GPTModel
 from gptmini.model.flops import num_parameters
 
 
@@ -250,3 +251,31 @@ def test_a_chunked_loss_equals_the_whole_one_with_its_gradients(tiny_config, red
     for a, b in zip(torch.autograd.grad(chunked.sum(), list(model.parameters())), grads,
                     strict=True):
         torch.testing.assert_close(a, b)
+
+
+FLOAT_FIELDS = {  # every float setting of GPTConfig: a value in range, and where it ends
+    "drop_rate": (0.0, [1.0, -0.1]),
+    "attn_drop_rate": (0.5, [1.0, -0.1]),
+    "norm_eps": (1e-6, [0.0, -1e-5, 1.0, 1e300]),
+    "rope_theta": (500000.0, [1.0, 0.5, -10000.0]),
+    "attn_softcap": (30.0, [0.0, -5.0]),
+}
+NOT_FINITE = [float("nan"), float("inf"), float("-inf"), "0.1", True, [0.1]]
+
+
+def test_every_float_field_is_checked():
+    floats = {f.name for f in dataclasses.fields(GPTConfig)
+              if "float" in str(f.type) and f.name != "padded_vocab_size"}
+    assert floats == set(FLOAT_FIELDS)  # a new float field gets its rows here
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_a_float_field_must_be_finite_and_in_range(tiny_config, field):
+    good, out_of_range = FLOAT_FIELDS[field]
+    base = {**tiny_config.to_dict(), "position": "rope"}
+    assert getattr(GPTConfig(**{**base, field: good}), field) == good
+    for value in [*out_of_range, *NOT_FINITE]:
+        with pytest.raises(ConfigError) as caught:
+            GPTConfig(**{**base, field: value})
+        assert caught.value.field == field and f"GPTConfig.{field}={value!r}" in str(caught.value)
+        assert caught.value.for_flag().startswith(f"--model.{field} {value!r} is invalid: use")

@@ -38,17 +38,38 @@ def test_weight_decay_only_on_parameters_with_two_or_more_dimensions():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"learning_rate": -1e-3}, "model.learning_rate=-0.001 must be in"),
-        ({"warmup_steps": -5}, "model.warmup_steps=-5 must be in"),
-        ({"min_lr_ratio": 2.0}, "model.min_lr_ratio=2.0 must be in"),
-        ({"n_heads": 3}, "GPTConfig.n_heads=3 is invalid: it must divide emb_dim=16"),
+        ({"learning_rate": -1e-3}, r"--model.learning_rate -0.001 is invalid: use a positive"),
+        ({"learning_rate": float("inf")}, r"--model.learning_rate inf is invalid"),
+        ({"muon_learning_rate": float("nan")}, r"--model.muon_learning_rate nan is invalid"),
+        ({"warmup_steps": -5}, r"--model.warmup_steps -5 is invalid: use an integer, 0 or"),
+        ({"warmup_steps": 2.5}, r"--model.warmup_steps 2.5 is invalid"),
+        ({"min_lr_ratio": 2.0}, r"--model.min_lr_ratio 2.0 is invalid: use a number in \[0, 1\]"),
+        ({"weight_decay": -0.1}, r"--model.weight_decay -0.1 is invalid"),
+        ({"weight_decay": float("inf")}, r"--model.weight_decay inf is invalid"),
+        ({"beta1": 1.5}, r"--model.beta1 1.5 is invalid: use a number in \[0, 1\), such as 0.9"),
+        ({"beta1": 1.0}, r"--model.beta1 1.0 is invalid"),
+        ({"beta2": -0.5}, r"--model.beta2 -0.5 is invalid"),
+        ({"beta2": "0.9"}, r"--model.beta2 '0.9' is invalid"),
+        ({"peak_flops": 0.0}, r"--model.peak_flops 0.0 is invalid"),
+        ({"loss_chunk_size": 0}, r"--model.loss_chunk_size 0 is invalid"),
+        ({"n_heads": 3}, r"--model.n_heads 3 is invalid: it must divide emb_dim=16"),
+        ({"norm_eps": float("inf")}, r"--model.norm_eps inf is invalid: use a small positive"),
+        ({"attn_softcap": float("inf")}, r"--model.attn_softcap inf is invalid: use a finite"),
+        ({"rope_theta": float("nan")}, r"--model.rope_theta nan is invalid"),
+        ({"drop_rate": float("nan")}, r"--model.drop_rate nan is invalid"),
     ],
 )
 
 
-def test_invalid_hyperparameters_name_the_field(override, message):
+def test_invalid_hyperparameters_name_the_flag(override, message):
     with pytest.raises(ValueError, match=message):
         GPTLitModule(**{**TINY, **override})
+
+
+def test_the_edges_of_the_ranges_are_taken():
+    GPTLitModule(**{**TINY, "beta1": 0.0, "beta2": 0.999, "min_lr_ratio": 1.0,
+                    "weight_decay": 0.0, "warmup_steps": 0, "peak_flops": 1e12,
+                    "loss_chunk_size": 1})
 
 
 def test_warmup_longer_than_the_run_is_clamped_to_the_run_with_a_warning():

@@ -28,6 +28,13 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
     return path
 
 
+def nan_checkpoint(tmp_path: Path) -> Path:
+    model = make_model(vocab_size=50257)
+    with torch.no_grad():
+        model.final_norm.weight[:2] = float("nan")
+    return save_checkpoint(model, tmp_path / "nan.ckpt")
+
+
 # Each row: (files to write under tmp_path, extra arguments (with {tmp} for tmp_path), what
 # the one line must say).
 TRAIN_ROWS = {
@@ -62,6 +69,17 @@ TRAIN_ROWS = {
     "negative checkpoint_every": (
         {}, ["--checkpoint_every", "-1"], ["--checkpoint_every=-1 is invalid: use 1 or more"],
     ),
+    "beta1 above 1": ({}, ["--model.beta1", "1.5"], ["--model.beta1 1.5 is invalid: use a "
+                                                      "number in [0, 1)"]),
+    "an infinite norm_eps (YAML .inf)": ({}, ["--model.norm_eps", ".inf"],
+                                         ["--model.norm_eps inf is invalid"]),
+    "an infinite attn_softcap": ({}, ["--model.attn_softcap", ".inf"],
+                                 ["--model.attn_softcap inf is invalid"]),
+    "a negative gradient_clip_val": ({}, ["--trainer.gradient_clip_val", "-1"],
+                                     ["--trainer.gradient_clip_val -1"]),
+    "a seed above 32 bits": ({}, ["--seed_everything", str(2**32 + 1)],
+                             ["--seed_everything 4294967297 is out of range"]),
+    "a stop_grace of nan": ({}, ["--stop_grace", ".nan"], ["--stop_grace=nan is invalid"]),
     "negative max_steps": (
         {}, ["--trainer.max_steps", "-5"], ["`max_steps` must be a non-negative integer or -1"],
     ),
@@ -80,6 +98,10 @@ TRAIN_ROWS = {
     "a truncated --ckpt_path": (
         {"cut.ckpt": corrupt_checkpoint}, ["--ckpt_path", "{tmp}/cut.ckpt"],
         ["cut.ckpt: it is corrupt, truncated or not a PyTorch checkpoint"],
+    ),
+    "resuming a checkpoint holding NaN": (
+        {"nan.ckpt": nan_checkpoint}, ["--ckpt_path", "{tmp}/nan.ckpt"],
+        ["--ckpt_path", "nan.ckpt holds non-finite weights", "model.final_norm.weight (2 of"],
     ),
     "validation inside a gradient accumulation": (
         {}, ["--trainer.accumulate_grad_batches", "4", "--trainer.val_check_interval", "10"],

@@ -1,0 +1,134 @@
+"""Hugging Face directories gptmini cannot read are refused naming the file, the field and
+what gptmini reads (issue 36 items 4, 10, 11): never a KeyError, never a model that
+silently computes something else."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptmini.checkpoint import load_checkpoint
+from gptmini.convert import config_from_llama, export_hf, load_hf
+from gptmini.model import GPTConfig, GPTModel
+
+GPT2 = {"model_type": "gpt2", "vocab_size": 64, "n_positions": 32, "n_embd": 32,
+        "n_layer": 2, "n_head": 4}
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+               "vocab_size": 129280, "hidden_size": 7168, "num_attention_heads": 128,
+               "num_hidden_layers": 61, "q_lora_rank": 1536, "kv_lora_rank": 512}
+
+
+def directory_with(tmp_path, config) -> str:
+    """A directory holding `config` as config.json (text as it is) beside some weights."""
+    text = config if isinstance(config, str | bytes) else json.dumps(config)
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+CASES = {
+    "a list": ([GPT2], r"config.json holds a JSON list, not an object"),
+    "not JSON": (b"\x89PNG\r\n\x1a\n\x00binary", r"config.json is not JSON"),
+    "text, not JSON": ("n_embd: 32", r"config.json is not JSON"),
+    "GPT-2 without n_embd": ({k: v for k, v in GPT2.items() if k != "n_embd"},
+                             r"config.json: the GPT-2 config has no 'n_embd'.*positive integer"),
+    "n_embd a string": ({**GPT2, "n_embd": "32"}, r"'n_embd' is '32'; gptmini reads a positive"),
+    "n_head 0": ({**GPT2, "n_head": 0}, r"'n_head' is 0"),
+    "n_layer negative": ({**GPT2, "n_layer": -2}, r"'n_layer' is -2"),
+    "vocab_size true": ({**GPT2, "vocab_size": True}, r"'vocab_size' is True"),
+    "n_positions a float": ({**GPT2, "n_positions": 32.5}, r"'n_positions' is 32.5"),
+    "layer_norm_epsilon NaN": ({**GPT2, "layer_norm_epsilon": float("nan")},
+                               r"'layer_norm_epsilon' is nan; gptmini reads a finite positive"),
+    "a quantized GPT-2": ({**GPT2, "quantization_config": {"quant_method": "bitsandbytes"}},
+                          r"quantization_config \(quant_method='bitsandbytes'"),
+    "Llama without hidden_size": ({k: v for k, v in LLAMA.items() if k != "hidden_size"},
+                                  r"config.json: the Llama config has no 'hidden_size'"),
+    "rope_scaling a string": ({**LLAMA, "rope_scaling": "linear"},
+                              r"rope_scaling='linear' \(gptmini reads an object"),
+    "linear scaling beside default rope_parameters": (
+        {**LLAMA, "rope_parameters": DEFAULT_ROPE,
+         "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        r"rope scaling 'linear' in rope_scaling \(only plain rotary positions"),
+    "a factor without a type": ({**LLAMA, "rope_scaling": {"factor": 2.0}},
+                                r"rope_scaling with factor=2.0 and rope_type None"),
+    "rope_parameters of another type": (
+        {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+        r"rope scaling 'yarn' in rope_parameters"),
+    "rope_theta infinite": ({**LLAMA, "rope_theta": float("inf")},
+                            r"'rope_theta' is inf; gptmini reads a finite positive number"),
+    "two rope_theta": ({**LLAMA, "rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": 5e5}},
+                       r"rope_theta values that differ \(\[10000.0, 500000.0\]\)"),
+    "a quantized Llama": ({**LLAMA, "quantization_config": {"quant_method": "fp8"}},
+                          r"quant_method='fp8'"),
+    "DeepSeek-V3": (DEEPSEEK_V3, r"config.json: it describes a model_type='deepseek_v3'.*"
+                                 r"'gpt2' \(GPT-2\), 'llama' \(Llama\), 'qwen3' \(Qwen3\)"),
+    "only architectures, another one": ({"architectures": ["MistralForCausalLM"]},
+                                        r"'MistralForCausalLM'.*does not read"),
+    "model_type a list": ({**GPT2, "model_type": ["gpt2"]}, r"model_type=\['gpt2'\]"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_config_gptmini_cannot_read_is_named(tmp_path, case):
+    config, match = CASES[case]
+    directory = directory_with(tmp_path, config)
+    with pytest.raises(ValueError, match=match) as caught:
+        load_hf(directory)
+    assert str(tmp_path / "config.json") in str(caught.value)
+    with pytest.raises(ValueError, match=match):  # every loader of a directory says the same
+        load_checkpoint(directory)
+
+
+def llama_directory(tmp_path):
+    cfg = GPTConfig(vocab_size=64, context_length=32, emb_dim=32, n_heads=4, n_layers=1,
+                    drop_rate=0.0, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                    norm_eps=1e-6)
+    return export_hf(GPTModel(cfg), tmp_path / "llama")
+
+
+def test_quantized_weights_are_refused_not_copied_without_their_scales(tmp_path):
+    directory = llama_directory(tmp_path)
+    weights = directory / "model.safetensors"
+    state = load_file(weights)
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = torch.randint(-127, 127, state[name].shape, dtype=torch.int8)
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=rf"quantized weights \({name} is torch.int8\)"):
+        load_hf(directory)
+    state[name] = state[name].to(torch.float8_e4m3fn)
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=r"is torch.float8_e4m3fn"):
+        load_hf(directory)
+
+
+def test_a_tokenizer_json_that_is_not_json_names_the_file(tmp_path):
+    directory = llama_directory(tmp_path)
+    (directory / "tokenizer.json").write_bytes(b"\x00\x01 not json")
+    with pytest.raises(ValueError, match=r"llama/tokenizer.json is not JSON"):
+        load_checkpoint(directory)
+    (directory / "tokenizer.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer.json holds a JSON list, not an object"):
+        load_checkpoint(directory)
+    (directory / "tokenizer.json").write_text('{"model": "BPE"}')
+    with pytest.raises(ValueError, match=r"tokenizer.json cannot be used"):
+        load_checkpoint(directory)
+
+
+def test_a_sharded_index_without_a_weight_map_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index.json has no 'weight_map'"):
+        load_hf(tmp_path)
+
+
+def test_the_default_rope_entries_transformers_writes_still_load():
+    config = {**LLAMA, "rope_parameters": DEFAULT_ROPE, "rope_scaling": None}
+    assert config_from_llama(config).rope_theta == 10000.0
+    assert config_from_llama({**LLAMA, "rope_scaling": {"type": "default"}}).position == "rope"
