@@ -28,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +67,9 @@ class Job:
     """Each choice's logprobs, when asked."""
     token_ids: bool = False
     """Each choice carries its token ids (vLLM's `return_token_ids`)."""
+    batch_invariant: bool | None = None
+    """A seeded call: whether its texts are independent of what else the engine batches
+    (float64 weights); None for a call without a seed, which promises no text."""
     streaming: bool = False  # its stream is being sent
     closed: bool = False  # answered, cancelled or timed out
 
@@ -191,8 +195,17 @@ def submit(state: ServerState, call: CompletionRequest) -> Job:
     if call.sampling.logprobs is not None:
         writers = [LogprobsWriter(enc, len(p) if isinstance(p, str) else len(enc.decode(p)))
                    for p in call.prompts for _ in range(call.n)]
+    # float32 and bfloat16 logits move in their last bits with the batch's shape, and a draw
+    # that close to a boundary between two tokens flips: a client is told, per response.
+    invariant = (None if call.sampling.seed is None
+                 else next(state.engine.model.parameters()).dtype == torch.float64)
     return Job(requests, [ids for ids, _ in choices], sum(map(len, encoded)),
-               call.sampling.stop, writers, call.return_token_ids)
+               call.sampling.stop, writers, call.return_token_ids, invariant)
+
+
+def seeded(job: Job) -> dict:
+    """The response's `batch_invariant` field, for a seeded call only."""
+    return {} if job.batch_invariant is None else {"batch_invariant": job.batch_invariant}
 
 
 async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
@@ -233,7 +246,7 @@ def respond(state: ServerState, job: Job) -> dict:
                 "finish_reason": finish_reason(r)} for i, r in enumerate(job.requests)]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": state.model_name, "choices": choices,
-            "usage": usage(job)}
+            "usage": usage(job), **seeded(job)}
 
 
 def tokens_of(job: Job, i: int, start: int, end: int) -> dict:
@@ -270,7 +283,7 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
         return event({"id": ident, "object": "text_completion", "created": int(time.time()),
                       "model": state.model_name, "choices": [{
                           "index": i, "text": text, **tokens_of(job, i, start, end),
-                          "finish_reason": reason}]})
+                          "finish_reason": reason}], **seeded(job)})
     job.streaming = True
     try:
         deadline = time.monotonic() + state.timeout
