@@ -15,7 +15,8 @@ and is classed as:
     python bench/robustness.py --only serve kit   # some groups (-k: names containing text)
 
 The cases live in bench/robustness_cases/, one module per group: train (train.py's corpora
-and flags), runs (checkpoints through resumes, signals and kills), generate, serve, kit.
+and flags), runs (checkpoints through resumes, signals and kills), generate, evaluate,
+serve (with the page's endpoints), kit (with the device parity check).
 Offline throughout (HF_HUB_OFFLINE=1). Takes a few minutes on 2 cores.
 """
 
@@ -26,11 +27,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from robustness_cases import generate, kit, runs, serve, train
+from robustness_cases import evaluate, generate, kit, runs, serve, train
 from robustness_cases.lab import Lab
 
 GROUPS = {"train": train.CASES, "runs": runs.CASES, "generate": generate.CASES,
-          "serve": serve.CASES, "kit": kit.CASES}
+          "evaluate": evaluate.CASES, "serve": serve.CASES, "kit": kit.CASES}
 
 
 def run_cases(lab: Lab, cases: dict) -> Counter:

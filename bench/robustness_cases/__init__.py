@@ -1,5 +1,6 @@
 """The cases of bench/robustness.py, by what they try to break: train.py's inputs
 (`train`), a run's checkpoints through resumes, signals and kills (`runs`), generate.py
-(`generate`), serve.py and its HTTP API (`serve`), and the conformance kit (`kit`). Each
+(`generate`), evaluate.py (`evaluate`), serve.py, its HTTP API and the page's endpoints
+(`serve`), and the conformance kit and device parity check (`kit`). Each
 module's CASES maps a case's name to a function of the shared `lab.Lab` that returns
 (outcome, detail)."""
