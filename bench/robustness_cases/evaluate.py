@@ -100,7 +100,9 @@ def ctrl_c(lab: Lab):
                              str(checkpoint(lab, where)), "--data", str(where / "long.txt"),
                              "--cache_dir", str(where / "cache"), "--batch_size", "1"],
                             cwd=where, env=lab.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # a shell's background job ignores SIGINT, and so would its child
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, deadline = "", time.monotonic() + 120
     while "scoring" not in seen and proc.poll() is None and time.monotonic() < deadline:
         seen += proc.stderr.read(1)
