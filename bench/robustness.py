@@ -15,7 +15,8 @@ and is classed as:
     python bench/robustness.py --only serve kit   # some groups (-k: names containing text)
 
 The cases live in bench/robustness_cases/, one module per group: train (train.py's corpora
-and flags), runs (checkpoints through resumes, signals and kills), generate, serve, kit,
+and flags), runs (checkpoints through resumes, signals and kills), generate, evaluate,
+serve (with the page's endpoints), kit (with the device parity check),
 convert (Hugging Face directories in, exports out), settings (float flags, seeds, and
 checkpoints whose tokenizer or weights are wrong).
 Offline throughout (HF_HUB_OFFLINE=1). Takes a few minutes on 2 cores.
@@ -28,10 +29,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from robustness_cases import convert, generate, kit, runs, serve, settings, train
+from robustness_cases import convert, evaluate, generate, kit, runs, serve, settings, train
 from robustness_cases.lab import Lab
 
 GROUPS = {"train": train.CASES, "runs": runs.CASES, "generate": generate.CASES,
+          "evaluate": evaluate.CASES,
           "serve": serve.CASES, "kit": kit.CASES, "convert": convert.CASES,
           "settings": settings.CASES}
 

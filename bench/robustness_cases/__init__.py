@@ -1,7 +1,8 @@
 """The cases of bench/robustness.py, by what they try to break: train.py's inputs
 (`train`), a run's checkpoints through resumes, signals and kills (`runs`), generate.py
-(`generate`), serve.py and its HTTP API (`serve`), the conformance kit (`kit`), Hugging
-Face directories in and exports out (`convert`), and float settings, seeds and checkpoints
-whose tokenizer or weights are wrong (`settings`). Each
+(`generate`), evaluate.py (`evaluate`), serve.py, its HTTP API and the page's endpoints
+(`serve`), the conformance kit and device parity check (`kit`), Hugging Face directories
+in and exports out (`convert`), and float settings, seeds and checkpoints whose tokenizer
+or weights are wrong (`settings`). Each
 module's CASES maps a case's name to a function of the shared `lab.Lab` that returns
 (outcome, detail)."""

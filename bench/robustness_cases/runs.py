@@ -252,7 +252,26 @@ def file_size_limit(lab: Lab):
     return outcome(proc), last_line(proc)
 
 
+def resume_after_cut_metrics(lab: Lab):
+    """A run killed while its CSV logger wrote a row, then resumed: the cut row must not
+    fail the resumed run at its end (before: it trained, saved, then exited 1 with "could
+    not convert string to float", naming no file)."""
+    where = lab.folder()
+    first = lab.run("train.py", *lab.args(where), cwd=where)
+    metrics = where / "runs" / "r" / "logs" / "version_0" / "metrics.csv"
+    if first.returncode or not metrics.is_file():
+        return outcome(first), last_line(first)
+    metrics.write_text(metrics.read_text()[:-7])  # the last row cut mid-number
+    proc = lab.run("train.py", *lab.args(where, "--trainer.max_steps", "12", "--ckpt_path",
+                                         "last"), cwd=where)
+    named = str(metrics) in proc.stderr
+    if outcome(proc) == "ok" and not named:
+        return "silent", "the cut row was skipped without a word"
+    return outcome(proc), last_line(proc) if proc.returncode else "resumed; the cut row named"
+
+
 CASES = {
+    "resume after the metrics file was cut mid-row": resume_after_cut_metrics,
     "a second run under the same --run_name": reuse_run_name,
     "two train.py on one --run_name at once": concurrent_same_run_name,
     "a run ending between two checkpoints (max_steps)": final_steps_saved,

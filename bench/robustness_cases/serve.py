@@ -20,11 +20,17 @@ TINY_CHECKPOINT = (
 
 
 class Server:
-    """One serve.py on a tiny checkpoint, shared by the server cases (`Server.of(lab)`)."""
+    """One serve.py on a tiny checkpoint, shared by the server cases (`Server.of(lab)`), or
+    on a checkpoint of a case's own (`checkpoint`: Python writing it to sys.argv[1]; it is
+    saved as `runs/r/checkpoints/tiny.ckpt` under a folder `prepare(folder)` may add to)."""
 
-    def __init__(self, lab: Lab):
+    def __init__(self, lab: Lab, checkpoint: str = TINY_CHECKPOINT, prepare=None):
         where = lab.folder()
-        lab.python(TINY_CHECKPOINT, str(where / "tiny.ckpt"), cwd=where)
+        if prepare is not None:
+            (where / "checkpoints").mkdir()
+            prepare(where)
+            where = where / "checkpoints"
+        lab.python(checkpoint, str(where / "tiny.ckpt"), cwd=where)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -119,7 +125,77 @@ def binary_body(lab: Lab):
     return ("clear error" if status == 400 else "silent"), f"{status} {text[:90]}"
 
 
+def page_case(path: str, wanted: int, said: str, checkpoint: str = TINY_CHECKPOINT,
+              prepare=None, body=None):
+    """A serve.py of its own (the checkpoint, a run folder `prepare` fills), one call to a
+    page endpoint: the status wanted, saying `said`; a 500 that says nothing is a traceback."""
+
+    def case(lab: Lab):
+        try:
+            server = Server(lab, checkpoint, prepare)
+        except RuntimeError:
+            return "traceback", "serve.py did not start"
+        try:
+            status, text = post(server.url + path, body, method="GET" if body is None
+                                else "POST")
+            logged = server.log.read_text()
+        finally:
+            server.stop()
+        if "Traceback" in logged or (status >= 500 and said not in text):
+            return "traceback", f"{status}: {text[:100]}"
+        if status != wanted or said not in text:
+            return "silent", f"{status}, wanted {wanted} saying {said!r}: {text[:90]}"
+        return ("ok" if status == 200 else "clear error"), f"{status} {text[:90]}"
+
+    return case
+
+
+def metrics(rows: str):
+    def prepare(where):
+        (where / "logs" / "version_0").mkdir(parents=True)
+        (where / "logs" / "version_0" / "metrics.csv").write_text(
+            "epoch,step,train/loss,val/loss\n" + rows)
+
+    return prepare
+
+
+NAN_MODEL = TINY_CHECKPOINT.replace(
+    "torch.save(", "m.trf_blocks[0].att.W_query.weight.data[0, 0] = 1e38\n"
+    "m.trf_blocks[0].att.W_key.weight.data[0, 0] = 1e38\ntorch.save(")
+"""Finite weights whose attention scores overflow float32 (NaN weights are refused at load)."""
+SHORT_CONTEXT = TINY_CHECKPOINT.replace("context_length=32", "context_length=4")
+
+PAGE = {
+    "page: /gptmini/checkpoint with a NaN loss logged": page_case(
+        "/gptmini/checkpoint", 200, "non_finite_steps", prepare=metrics("0,1,5.0,\n0,2,nan,nan\n")),
+    "page: serve.py on a run whose metrics hold a 200 KB cell": page_case(
+        "/gptmini/checkpoint", 200, "train/loss",
+        prepare=metrics("0,1,5.0,\n0,2,\"" + "9" * 200_000 + "\",\n")),
+    "page: a metrics file cut mid-row": page_case(
+        "/gptmini/checkpoint", 200, "train/loss", prepare=metrics("0,1,5.0,\n0,2,4.")),
+    "page: /gptmini/heads, context_length 4": page_case("/gptmini/heads", 422,
+                                                       "context_length is 4",
+                                                       checkpoint=SHORT_CONTEXT),
+    "page: /gptmini/attention, scores overflowing": page_case(
+        "/gptmini/attention", 500, "not finite", checkpoint=NAN_MODEL, body={"prompt": "ab"}),
+    "page: /gptmini/attention, top_logprobs 1e9": page_case(
+        "/gptmini/attention", 400, "top_logprobs", body={"prompt": "ab", "top_logprobs": 10**9}),
+}
+
+
+def seeded_batch_invariance(lab: Lab):
+    """A seeded float32 call: the docs say a batched draw may flip; the answer must say so."""
+    status, text = post(Server.of(lab).url + "/v1/completions",
+                        {"prompt": "a", "max_tokens": 2, "seed": 1})
+    if status != 200:
+        return "traceback" if status >= 500 else "clear error", f"{status} {text[:90]}"
+    said = json.loads(text).get("batch_invariant")
+    return ("ok" if said is False else "silent"), f"batch_invariant {said!r} (float32)"
+
+
 CASES = {
+    **PAGE,
+    "server: a seeded float32 call says it is not batch-invariant": seeded_batch_invariance,
     "server: stream as the string false": server_case({"prompt": "a", "stream": "false"}, 400,
                                                       "stream"),
     "server: temperature true": server_case({"prompt": "a", "temperature": True}, 400,

@@ -7,6 +7,7 @@ folders, as resumes leave them) and drawn as train/val loss and learning rate ag
 
 import csv
 import re
+import warnings
 from pathlib import Path
 
 from gptmini.analysis.plots import require_matplotlib, save_png
@@ -36,6 +37,11 @@ def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[f
     A later version replaces whatever earlier ones logged from its first step on: those
     steps were run again after the resume, and the first attempt is not the run's history.
 
+    A row that cannot be read is skipped, with one warning per file naming it and the
+    lines: a last line without its line end (the file was cut mid-row, by a kill or a full
+    disk: its last number may be cut short too), a row whose cells are not numbers, or a
+    cell over csv's size limit. A cell that says nan or inf is kept as it is.
+
     Args:
         run_dir: the run directory (holding `logs/`), its `logs/` folder, or one
             `metrics.csv`.
@@ -47,29 +53,59 @@ def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[f
     merged: dict[str, dict[int, float]] = {}
     resumes = []
     for i, path in enumerate(_metric_files(Path(run_dir))):
-        rows = []
-        with open(path, newline="") as file:
-            for row in csv.DictReader(file):
-                if (row.get("step") or "").strip():
-                    rows.append(row)
+        rows = _read_rows(path)
         if not rows:
             continue
-        first = min(int(float(row["step"])) for row in rows)
+        first = min(step for step, _ in rows)
         if i > 0 and merged:
             resumes.append(first)
         for values in merged.values():
             for step in [s for s in values if s >= first]:
                 del values[step]
-        for row in rows:
-            step = int(float(row["step"]))
-            for name, cell in row.items():
-                if name in ("step", "epoch") or name is None or not (cell or "").strip():
-                    continue
-                merged.setdefault(name, {})[step] = float(cell)
+        for step, cells in rows:
+            for name, value in cells.items():
+                merged.setdefault(name, {})[step] = value
     metrics = {
         name: (sorted(v), [v[s] for s in sorted(v)]) for name, v in merged.items() if v
     }
     return metrics, resumes
+
+
+def _read_rows(path: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, {column: value}) of each readable row of one metrics.csv; see `load_metrics`
+    for what is skipped (and warned about)."""
+    with open(path, newline="", encoding="utf-8", errors="replace") as file:
+        lines = file.read().splitlines(keepends=True)
+    if not lines:
+        return []
+    header = next(csv.reader([lines[0]]), [])
+    rows, skipped = [], []
+    for number, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
+        try:
+            if not line.endswith(("\n", "\r")):
+                raise ValueError("no line end: cut short")
+            cells = next(csv.reader([line]))
+            if len(cells) != len(header):
+                raise ValueError(f"{len(cells)} cells under {len(header)} columns")
+            row = dict(zip(header, cells, strict=True))
+            if not (row.get("step") or "").strip():
+                continue  # a row without a step (none of train.py's): nothing to place
+            step = float(row["step"])
+            if not step.is_integer():
+                raise ValueError(f"step {row['step']!r}")
+            values = {name: float(cell) for name, cell in row.items()
+                      if name not in ("step", "epoch") and cell.strip()}
+        except (ValueError, csv.Error):  # csv.Error: a cell over csv's field size limit
+            skipped.append(number)
+            continue
+        rows.append((int(step), values))
+    if skipped:
+        lines_said = ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else "")
+        warnings.warn(f"{path}: skipped {len(skipped)} row(s) that are not metrics (line "
+                      f"{lines_said}): cut short, or cells that are not numbers", stacklevel=3)
+    return rows
 
 
 def plot_curves(

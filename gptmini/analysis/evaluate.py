@@ -22,6 +22,7 @@ the activity label and cleans the text).
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -101,8 +102,13 @@ def score_text(model: nn.Module, tokenizer: Encoding, tokens: np.ndarray, *,
         count += targets.numel()
         num_bytes += int(counted.sum())
     loss = float(nats) / count
+    if not math.isfinite(loss):  # a score of NaN is no score: never report it as one
+        raise ValueError(f"the model's loss over the text is {loss} (not finite): its "
+                         "log-probabilities overflow or its weights hold NaN or inf; score "
+                         "another checkpoint (best.ckpt, or one saved before the loss diverged)")
     bpb = float(text_nats) / max(num_bytes, 1) / math.log(2)
-    return TextScore(loss, math.exp(loss), bpb, count, num_bytes)
+    perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+    return TextScore(loss, perplexity, bpb, count, num_bytes)
 
 
 def _batched(items: Iterable[tuple], size: int):
@@ -140,14 +146,23 @@ def choice_logliks(model: nn.Module, tokenizer: Encoding, context: str,
 
 def score_choices(model: nn.Module, tokenizer: Encoding, examples: Iterable[dict], *,
                   total: int | None = None, progress: bool = True) -> ChoiceScore:
-    """lm-eval's acc and acc_norm over records with `ctx`, `endings` and `label`."""
+    """lm-eval's acc and acc_norm over records with `ctx`, `endings` and `label`.
+
+    Raises:
+        ValueError: a record is not in HellaSwag's layout (`choice_fields`), or the model
+            gives an ending a log-likelihood that is not finite.
+    """
     from tqdm import tqdm
 
     right = right_norm = seen = 0
     for i, example in enumerate(tqdm(examples, total=total, desc="scoring", unit="example",
                                      file=sys.stderr, disable=not progress)):
-        context, endings, label = _fields(example, i)
+        context, endings, label = choice_fields(example, f"example {i + 1}")
         lls = choice_logliks(model, tokenizer, context, endings)
+        if not all(math.isfinite(ll) for ll in lls):  # argmax would pick the first NaN
+            raise ValueError(f"example {i + 1}: the model gives its endings log-likelihoods "
+                             f"{[round(ll, 3) for ll in lls]}, not all finite: its weights "
+                             "hold NaN or inf, or its scores overflow; score another checkpoint")
         right += int(np.argmax(lls)) == label
         right_norm += int(np.argmax([ll / len(e) for ll, e in zip(lls, endings, strict=True)])
                           ) == label
@@ -157,30 +172,89 @@ def score_choices(model: nn.Module, tokenizer: Encoding, examples: Iterable[dict
     return ChoiceScore(right / seen, right_norm / seen, seen)
 
 
-def _fields(example: dict, index: int) -> tuple[str, list[str], int]:
-    missing = [k for k in ("ctx", "endings", "label") if k not in example]
+LAYOUT = ('HellaSwag\'s layout: {"ctx": "a context", "endings": ["two", "or more endings"], '
+          '"label": the index of the right one}')
+
+
+def choice_fields(record: object, where: str) -> tuple[str, list[str], int]:
+    """A multiple-choice record's (ctx, endings, label), each of its JSON type.
+
+    `ctx` is a string, `endings` a list of two or more non-empty strings, `label` an integer
+    (or a string of digits, as hub datasets store it) indexing one of them. A string as
+    `endings` would be iterated as characters, and a float or boolean label compared as a
+    number: each would give an accuracy for a file that is not the layout.
+
+    Args:
+        record: one parsed JSON record.
+        where: how messages name it ("mc.jsonl, line 3").
+
+    Raises:
+        ValueError: naming `where`, the field, what it holds and the layout.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {_json_type(record)} "
+                         f"({LAYOUT})")
+    missing = [k for k in ("ctx", "endings", "label") if k not in record]
     if missing:
-        raise ValueError(f"example {index + 1} has no {', '.join(missing)} (HellaSwag's layout: "
-                         f"ctx, endings, label); its fields: {', '.join(sorted(example))}")
-    endings, label = list(example["endings"]), int(example["label"])
-    if not 0 <= label < len(endings) or not all(endings):
-        raise ValueError(f"example {index + 1}: label {label} must index one of its "
-                         f"{len(endings)} endings, none of them empty")
-    return str(example["ctx"]), endings, label
+        raise ValueError(f"{where} has no {', '.join(missing)} ({LAYOUT}); its fields: "
+                         f"{', '.join(sorted(map(str, record))) or 'none'}")
+    context, endings, label = record["ctx"], record["endings"], record["label"]
+    if not isinstance(context, str):
+        raise ValueError(f"{where}: ctx must be a string, got {_json_type(context)} ({LAYOUT})")
+    if not isinstance(endings, list) or not all(isinstance(e, str) and e for e in endings):
+        got = (_json_type(endings) if not isinstance(endings, list) else
+               "a list holding " + ", ".join(sorted({_json_type(e) if e != "" else
+                                                     "an empty string" for e in endings})))
+        raise ValueError(f"{where}: endings must be a list of non-empty strings, got {got} "
+                         f"({LAYOUT})")
+    if len(endings) < 2:
+        raise ValueError(f"{where}: endings holds {len(endings)} ending(s); a choice needs at "
+                         "least 2")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise ValueError(f"{where}: label must be an integer in 0..{len(endings) - 1} (the "
+                         f"index of the right ending), got {label!r} ({_json_type(label)})")
+    return context, endings, label
+
+
+def _json_type(value: object) -> str:
+    """What a JSON value is, in words ("a string", "null", ...)."""
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                       (str, "a string"), (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
 
 
 def read_choices(source: str, split: str = "validation",
                  limit: int | None = None) -> tuple[list[dict], str]:
-    """Records from a local .jsonl file, or a hub dataset through `datasets` (`split`)."""
+    """Records from a local .jsonl file, or a hub dataset through `datasets` (`split`), each
+    checked by `choice_fields` (a file's records named by their line).
+
+    Raises:
+        ValueError: a line that is not JSON or not a record of the layout, a file that is not
+            UTF-8 text, or no records at all.
+        FileNotFoundError: a .jsonl or .json path that does not exist.
+    """
     path = Path(source)
     if path.is_file():
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--choices {path} is not UTF-8 text (byte {err.start}): it should "
+                             "be a .jsonl file, one JSON record a line") from None
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         records = []
-        for number, line in enumerate(lines[:limit], 1):
+        for number, line in lines[:limit]:
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}, line {number}: not JSON ({err})") from None
+            choice_fields(record, f"{path}, line {number}")
+            records.append(record)
+        if not records:
+            raise ValueError(f"--choices {path} holds no records ({LAYOUT}, one a line)")
         return records, str(path)
     if path.suffix in (".jsonl", ".json"):
         raise FileNotFoundError(f"--choices {source}: no such file")
@@ -189,13 +263,29 @@ def read_choices(source: str, split: str = "validation",
     data = datasets.load_dataset(source, split=split)
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
-    return list(data), f"{source} ({split})"
+    records = list(data)
+    for i, record in enumerate(records):
+        choice_fields(record, f"{source} ({split}), record {i + 1}")
+    return records, f"{source} ({split})"
 
 
-def text_tokens(path: str, tokenizer: Encoding, hparams: dict, *, text_field: str = "text",
+TRAIN_FLAGS = {"--data.corpus.encoding_errors": "--encoding_errors",
+               "--data.corpus.text_field": "--text_field"}
+"""train.py's flags that the data package's messages advise, and evaluate.py's own for them."""
+
+
+def text_tokens(path: str | None, tokenizer: Encoding, hparams: dict, *,
+                text_field: str = "text", encoding_errors: str = "strict",
                 cache_dir: str | None = None) -> tuple[np.ndarray, str]:
     """The tokens of `path` (a file, folder, glob or hub dataset; every document of it),
-    or, with `path` None, of the run's own validation split, through the token cache."""
+    or, with `path` None, of the run's own validation split, through the token cache. A
+    cache that cannot be written (a read-only file system, no permission, no space) is
+    worked around: the text is tokenized into a temporary folder and nothing is cached.
+
+    Raises:
+        ValueError: no corpus to score, a text that is not UTF-8, or no folder to tokenize in.
+        FileNotFoundError: `path` is no file, folder, glob or hub dataset name.
+    """
     with tempfile.TemporaryDirectory() as folder:
         vocab = str(save_tokenizer(tokenizer, Path(folder) / "tokenizer.json"))
         if path is None:
@@ -203,14 +293,39 @@ def text_tokens(path: str, tokenizer: Encoding, hparams: dict, *, text_field: st
             if not saved:
                 raise ValueError("the checkpoint names no corpus (not a train.py checkpoint); "
                                  "pass --data PATH to score a text")
+            if cache_dir is not None:
+                saved["cache_dir"] = cache_dir
             data = GPTDataModule(*from_record({**saved, "tokenizer": vocab, "num_workers": 0}))
-            data.setup("validate")  # tokenizes (quietly) only if the cache lost the corpus
+            try:
+                data.setup("validate")  # tokenizes (quietly) only if the cache lost the corpus
+            except OSError as err:
+                raise ValueError(f"the run's token cache cannot be written ({err}); pass "
+                                 "--cache_dir DIR, a folder that can, or --data PATH") from None
             if data.val_dataset is None:
                 raise ValueError("the run kept no validation split (val_fraction 0); pass "
                                  "--data PATH to score a text")
             return np.asarray(data.val_dataset.tokens), "the run's validation split"
-        spec = resolve_source(path, text_field=text_field)
-        cache = tokenize_corpus(spec, tokenizer=vocab, cache_dir=cache_dir, quiet=True)
+        try:
+            spec = resolve_source(path, text_field=text_field, encoding_errors=encoding_errors)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--data {path}: no such file, folder or glob here, and "
+                                    "not a hub dataset name (owner/name)") from None
+        try:
+            cache = tokenize_corpus(spec, tokenizer=vocab, cache_dir=cache_dir, quiet=True)
+        except OSError as err:  # read-only, no permission, no space: not a missing file
+            if isinstance(err, FileNotFoundError):
+                raise
+            where = getattr(err, "filename", None) or cache_dir
+            print(f"evaluate.py: the token cache cannot be written ({where}: {err.strerror or err}"
+                  "); tokenizing into a temporary folder, nothing cached (--cache_dir DIR "
+                  "caches elsewhere)", file=sys.stderr)
+            try:
+                cache = tokenize_corpus(spec, tokenizer=vocab, cache_dir=folder, quiet=True)
+            except OSError as again:
+                raise ValueError(f"no folder to tokenize {path} in: the token cache "
+                                 f"({err.strerror or err}) and {folder} ({again.strerror or again}"
+                                 "); pass --cache_dir DIR, a writable folder") from None
+            return np.array(cache.load("train")), spec.description  # a copy: folder goes
         return np.asarray(cache.load("train")), spec.description
 
 
@@ -265,6 +380,13 @@ def labelled_records(path: str | None, hparams: dict, text_field: str,
     return data.labelled_splits()[1], f"the run's validation split of {name}"
 
 
+def in_evaluates_words(message: str) -> str:
+    """A message of the data package with train.py's flags replaced by evaluate.py's."""
+    for train_flag, own in TRAIN_FLAGS.items():
+        message = message.replace(train_flag, own)
+    return message
+
+
 def evaluate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate.py",
@@ -278,6 +400,12 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text_field", default="text", help="the text of json/hub records")
     parser.add_argument("--label_field", default=None,
                         help="a classifier's labels in --data records (default: the run's)")
+    parser.add_argument("--encoding_errors", default="strict",
+                        help="bytes of --data that are not UTF-8: strict (refuse), replace "
+                             "(read as U+FFFD) or ignore (drop them)")
+    parser.add_argument("--cache_dir", default=None,
+                        help="where the token cache goes (default: the run's, else "
+                             "$GPTMINI_CACHE or ~/.cache/gptmini)")
     parser.add_argument("--choices", default=None,
                         help="a .jsonl of HellaSwag-style records (ctx, endings, label) or a "
                              "hub dataset such as Rowan/hellaswag")
@@ -289,6 +417,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
 
 
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
+    """evaluate.py: 0 scored, 1 an error (one line naming the input), 130 stopped by Ctrl-C."""
     args = evaluate_parser().parse_args(argv)
     try:
         if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
@@ -305,20 +434,40 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))
-            print(f"{name}: {score.examples:,} examples\n"
-                  f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
-            return 0
+            return say(f"{name}: {score.examples:,} examples\n"
+                       f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
         hparams = run_data_settings(args.checkpoint)
         tokens, name = text_tokens(args.data, tokenizer, hparams, text_field=args.text_field,
-                                   cache_dir=hparams.get("cache_dir"))
+                                   encoding_errors=args.encoding_errors,
+                                   cache_dir=args.cache_dir or hparams.get("cache_dir"))
         score = score_text(model, tokenizer, tokens, batch_size=args.batch_size,
                            document_mask=bool(hparams.get("document_mask")) and not args.data)
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as err:
-        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        print(f"evaluate.py: error: {in_evaluates_words(str(err))}", file=sys.stderr)
         return 1
-    print(f"{name}: {score.tokens:,} tokens predicted, {score.bytes:,} bytes\n"
-          f"loss {score.loss:.4f}  perplexity {score.perplexity:.2f}  "
-          f"bits per byte {score.bpb:.4f}")
+    except KeyboardInterrupt:
+        print("evaluate.py: stopped (Ctrl-C) before the score was complete; nothing was "
+              "written", file=sys.stderr)
+        return 130
+    return say(f"{name}: {score.tokens:,} tokens predicted, {score.bytes:,} bytes\n"
+               f"loss {score.loss:.4f}  perplexity {score.perplexity:.2f}  "
+               f"bits per byte {score.bpb:.4f}")
+
+
+def say(text: str) -> int:
+    """Print the result: 0, or 1 with one line on stderr when stdout cannot take it (a full
+    disk, a closed pipe)."""
+    try:
+        print(text, flush=True)
+    except OSError as err:
+        try:  # Python flushes stdout again at exit: let that go to /dev/null, not a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass  # stdout is no file (a test's capture): nothing is flushed at exit
+        print(f"evaluate.py: error: could not write the score to stdout ({err.strerror or err}); "
+              "it was computed but not shown: free space or redirect stdout elsewhere",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -77,6 +78,9 @@ class Job:
     """Each choice carries its token ids (vLLM's `return_token_ids`)."""
     chat: bool = False
     """Answered in chat's shape (messages and deltas, not texts)."""
+    batch_invariant: bool | None = None
+    """A seeded call: whether its texts are independent of what else the engine batches
+    (float64 weights); None for a call without a seed, which promises no text."""
     streaming: bool = False  # its stream is being sent
     closed: bool = False  # answered, cancelled or timed out
 
@@ -255,8 +259,13 @@ def submit(state: ServerState, call: CompletionRequest | ChatRequest,
     except RequestError as err:
         raise refuse(err) from None
     requests = [state.loop.add(ids, params) for ids, params in choices]
+    # float32 and bfloat16 logits move in their last bits with the batch's shape, and a draw
+    # that close to a boundary between two tokens flips: a client is told, per response.
+    invariant = (None if call.sampling.seed is None
+                 else next(state.engine.model.parameters()).dtype == torch.float64)
     job = Job(requests, [ids for ids, _ in choices], sum(map(len, encoded)),
-              call.sampling.stop, token_ids=call.return_token_ids, chat=chat)
+              call.sampling.stop, token_ids=call.return_token_ids, chat=chat,
+              batch_invariant=invariant)
     state.jobs.add(job)
     return job
 
@@ -269,6 +278,11 @@ async def answer(state: ServerState, job: Job, streaming: bool, include_usage: b
                                  media_type="text/event-stream")
     await wait(state, job, request)
     return respond(state, job)
+
+
+def seeded(job: Job) -> dict:
+    """The response's `batch_invariant` field, for a seeded call only."""
+    return {} if job.batch_invariant is None else {"batch_invariant": job.batch_invariant}
 
 
 async def wait(state: ServerState, job: Job, request: HTTPRequest) -> None:
@@ -320,7 +334,7 @@ def respond(state: ServerState, job: Job) -> dict:
     choices = [{"index": i, **text_of(job, r.text, None), **tokens_of(job, i, 0, len(r.tokens)),
                 "finish_reason": finish_reason(r)} for i, r in enumerate(job.requests)]
     return {**head(state, job, False), **prompt_ids_of(job, True), "choices": choices,
-            "usage": usage(job)}
+            "usage": usage(job), **seeded(job)}
 
 
 def text_of(job: Job, text: str, first: bool | None) -> dict:
@@ -375,7 +389,8 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
         chunks[i] += 1
         return event({**head(state, job, True, ident), **prompt_ids_of(job, sum(chunks) == 1),
                       "choices": [{"index": i, **text_of(job, text, chunks[i] == 1),
-                                   **tokens_of(job, i, start, end), "finish_reason": reason}]})
+                                   **tokens_of(job, i, start, end), "finish_reason": reason}],
+                      **seeded(job)})
     job.streaming = True
     try:
         deadline = time.monotonic() + state.timeout

@@ -3,12 +3,18 @@ build step, nothing fetched from elsewhere) and the gptmini endpoints it reads b
 OpenAI's:
 
 - GET /gptmini/checkpoint: the checkpoint's settings, parameter count, training steps,
-  tokenizer, validation bits per byte and, when its run directory is there, loss curves;
+  tokenizer, validation bits per byte and, when its run directory is there, loss curves (JSON
+  has no NaN: a logged value that is not finite, a NaN loss, is left out of its curve and
+  its step listed in `non_finite_steps`; as `val_loss` or `val_bpb` it is null);
 - POST /gptmini/attention: every layer's and head's attention weights of a text (the
   explicit path), its mask and the next-token candidates at every position (see
   `gptmini.analysis.inspection.pack`); a text longer than the limit is a 400;
 - GET /gptmini/heads: every head's previous-token, induction and sink scores
-  (`gptmini.analysis.heads`), computed at the first call.
+  (`gptmini.analysis.heads`), computed at the first call; a 422 for a model whose context
+  is too short to measure them (under 5 tokens).
+
+A model whose forward pass gives values that are not finite (its weights overflow in the
+served dtype) is answered a 500 saying so, not a bare one.
 
 The data endpoints follow the API key rule of /v1; the page and its files need no key (the
 page asks for the key when a call answers 401). The model runs in a worker thread beside
@@ -17,16 +23,18 @@ the engine's, so a long forward pass never holds up the event loop.
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from gptmini.analysis.curves import load_metrics
-from gptmini.analysis.heads import head_roles
+from gptmini.analysis.heads import HeadRoles, head_roles
 from gptmini.analysis.inspection import ENCODINGS, inspect_text, pack
 from gptmini.checkpoint import training_steps
 from gptmini.generate.sampling import MAX_LOGPROBS, json_type
@@ -34,11 +42,13 @@ from gptmini.model.flops import num_parameters
 from gptmini.serve.schema import APIError
 from gptmini.tokenizer import encode_prompt
 
-__all__ = ["WEB", "PageState", "checkpoint_panel", "parameter_parts", "router"]
+__all__ = ["WEB", "PageState", "checkpoint_panel", "json_safe", "parameter_parts", "router"]
 
 WEB = Path(__file__).parent / "web"
 """The page's files, shipped in the package."""
 CURVES = ("train/loss", "val/loss", "val/bpb")
+MIN_ROLES_CONTEXT = 5
+"""Head roles need [first] + r + r with len(r) >= 2 (`gptmini.analysis.heads`)."""
 
 
 @dataclass(eq=False)
@@ -72,8 +82,33 @@ def checkpoint_panel(model, tokenizer, path: str | Path | None = None,
     `parameters` counts a tied head once; `non_embedding_parameters` is nanoGPT's count
     (a tied token embedding stays, being also the head); `parameter_parts` splits the
     total, and `tied_weights` says whether the head is the token embedding.
+    Values that are not finite are None (JSON has none).
     """
-    hparams = hparams or {}
+    return json_safe(_panel(model, tokenizer, path, hparams or {}))
+
+
+def _curve(steps: list[int], values: list[float]) -> dict:
+    """One curve's finite points, and the steps whose value was not (a NaN loss): JSON has
+    no NaN, and a line drawn through null would not be a line."""
+    kept = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+    return {"steps": [s for s, _ in kept], "values": [v for _, v in kept],
+            "non_finite_steps": [s for s, v in zip(steps, values, strict=True)
+                                 if not math.isfinite(v)]}
+
+
+def json_safe(value):
+    """`value` with every float that is not finite replaced by None: JSON has no NaN or
+    infinity (a run whose loss went NaN logged one), and a page draws null as a gap."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _panel(model, tokenizer, path: str | Path | None, hparams: dict) -> dict:
     panel = {"path": None if path is None else str(path),
              "settings": model.cfg.to_dict(), "parameters": num_parameters(model),
              "non_embedding_parameters": num_parameters(model, non_embedding=True),
@@ -89,12 +124,11 @@ def checkpoint_panel(model, tokenizer, path: str | Path | None = None,
         panel["steps"] = training_steps(path)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     try:
-        metrics, _ = load_metrics(run_dir)
+        metrics, _ = load_metrics(run_dir)  # rows it cannot read: skipped, with a warning
     except (FileNotFoundError, ValueError, KeyError, OSError):
         return panel  # no run directory beside the checkpoint: no curves
     panel["run_dir"] = str(run_dir)
-    panel["curves"] = {name: {"steps": metrics[name][0], "values": metrics[name][1]}
-                       for name in CURVES if name in metrics}
+    panel["curves"] = {name: _curve(*metrics[name]) for name in CURVES if name in metrics}
     for name, key in (("val/bpb", "val_bpb"), ("val/loss", "val_loss")):
         if name in metrics:
             panel[key] = metrics[name][1][-1]
@@ -132,7 +166,14 @@ async def heads(request: HTTPRequest):
     async with page.roles_lock:  # computed once, by the first caller
         if page.roles is None:
             model = request.app.state.server.engine.model
-            page.roles = (await run_in_threadpool(head_roles, model)).to_dict()
+            context = model.cfg.context_length
+            if context < MIN_ROLES_CONTEXT:
+                raise APIError(422, f"head roles are measured on a random sequence repeated "
+                               f"twice after one token (at least {MIN_ROLES_CONTEXT} tokens); "
+                               f"this model's context_length is {context}")
+            roles: HeadRoles = await run_in_threadpool(head_roles, model)
+            finite_or_500([roles.previous_token, roles.induction, roles.sink], "head roles")
+            page.roles = roles.to_dict()
     return page.roles
 
 
@@ -162,7 +203,17 @@ async def attention(request: HTTPRequest):
                        f"{encoding!r}", "encoding")
     model, enc = server.engine.model, server.engine.tokenizer
     seen = await run_in_threadpool(inspect_text, model, ids, top=top)
+    finite_or_500([seen.weights, seen.top_logprobs], "attention weights and log-probabilities")
     return await run_in_threadpool(pack, seen, enc, encoding)
+
+
+def finite_or_500(tensors: list[torch.Tensor], what: str) -> None:
+    """A 500 that says why when the model computed values that are not finite (before: the
+    JSON encoder's bare 500, "Out of range float values are not JSON compliant")."""
+    if not all(bool(t.isfinite().all()) for t in tensors):
+        raise APIError(500, f"the model's {what} are not finite (NaN or inf): its weights "
+                       "hold NaN or overflow in the served dtype; serve another checkpoint, "
+                       "or --dtype float32", kind="server_error")
 
 
 def prompt_ids(prompt, engine, limit: int) -> list[int]:

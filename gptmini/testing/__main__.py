@@ -1,8 +1,9 @@
 """python -m gptmini.testing mypkg.mod:MyAttention: the report as a table; exit 1 on a failure.
 python -m gptmini.testing --device mps: the device parity check (gptmini.testing.device).
 
-Exit status: 0 every applicable check passed, 1 one failed, 2 the target could not be
-imported, built or run (one line on stderr says why).
+Exit status: 0 every applicable check passed, 1 one failed (or the time budget ran out
+before every check ran), 2 the target could not be imported, built or run, or an option is
+out of range (one line on stderr says why).
 """
 
 import argparse
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target is None:
         return device_main(args)
     try:
+        if not args.time_budget >= 0:  # NaN too: a gate must not pass by checking nothing
+            raise ValueError(f"--time_budget {args.time_budget:g} must be 0 (no limit) or a "
+                             "positive number of seconds")
         spec = load_target(args.spec) if args.spec else None
         if spec is not None and not isinstance(spec, AttentionSpec):
             raise ValueError(f"--spec {args.spec} is a {type(spec).__name__}, not an "
@@ -54,23 +58,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gptmini.testing: error: {err}", file=sys.stderr)
         return 2
     print(report)
+    if report.passed and not report.finished:  # a CI gate must not pass on checks not run
+        print("gptmini.testing: the time budget ran out before every check ran: not a pass; "
+              "give a larger --time_budget (0: no limit)", file=sys.stderr)
+        return 1
     return 0 if report.passed else 1
 
 
 def device_main(args: argparse.Namespace) -> int:
-    """The device parity check: 0 all within tolerance, 1 a drift, 2 no such device."""
-    from gptmini.testing.device import check_device
+    """The device parity check: 0 all within tolerance, 1 a drift, 2 no such device, no
+    backend named, or nothing that could run on it."""
+    from gptmini.testing.device import check_device, usable_device
 
-    try:
-        device = torch.device(args.device)
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        print(f"gptmini.testing: error: --device {args.device} is not available here "
-              f"({str(err).splitlines()[0]}; torch {torch.__version__})", file=sys.stderr)
-        return 2
     dtypes = (DTYPES[args.dtype],) if args.dtype else (torch.float32, torch.bfloat16)
-    report = check_device(device, dtypes, tuple(args.backends.split(",")))
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    try:
+        device = usable_device(args.device, "--device")
+        if not backends:
+            raise ValueError(f"--backends {args.backends!r} names no attention kernel: give "
+                             "a comma-separated list such as sdpa,explicit,tiled")
+        try:
+            report = check_device(device, dtypes, backends)
+        except ValueError as err:  # the device is known good: the backends are at fault
+            raise ValueError(f"--backends {args.backends}: {err}") from None
+    except ValueError as err:
+        print(f"gptmini.testing: error: {err}", file=sys.stderr)
+        return 2
     print(report)
+    if not report.checked:
+        return 2
     return 0 if report.passed else 1
 
 

@@ -274,9 +274,19 @@ def book_numbers(s: Subject):
     return PASSED, "Listing 3.5's seeded example prints the book's numbers (to 1e-4, float32)"
 
 
+def large_scale(dtype: torch.dtype) -> float:
+    """How far `large_inputs_finite` scales its inputs: 1e3, or less where the scores of
+    inputs that large would not fit the dtype at all (float16 stops at 65504: inputs x 1e3
+    give scores near 1e6, which overflow before any softmax). sqrt(max) / 16 (16 for float16)
+    keeps its scores in the hundreds: still far past where exp overflows without the row's
+    maximum subtracted (about 11 in float16, 88 in float32)."""
+    return float(min(1e3, round(torch.finfo(dtype).max ** 0.5 / 16)))
+
+
 def large_inputs_finite(s: Subject):
     module = s.build()
-    for scale in (1.0, 1e3):
+    large = large_scale(s.dtype)
+    for scale in (1.0, large):
         x = s.inputs(2, 6, scale=scale)
         out = s.call(module, x)
         bad = ~out.isfinite().flatten(2).all(-1)
@@ -285,9 +295,13 @@ def large_inputs_finite(s: Subject):
             if scale == 1.0:
                 return FAILED, (f"not finite even at scale 1: {vec(out[row, i])} at position "
                                 f"{i} (row {row})")
-            return FAILED, (f"inputs scaled by 1e3 give {vec(out[row, i])} at position {i}: "
-                            "the softmax overflows (exp of large scores; subtract each row's "
-                            "maximum, as torch.softmax does)")
+            most = torch.finfo(s.dtype).max
+            dtype = str(s.dtype).removeprefix("torch.")
+            return FAILED, (f"inputs scaled by {scale:g} give {vec(out[row, i])} at position "
+                            f"{i}: the softmax overflows (exp of large scores; subtract each "
+                            "row's maximum, as torch.softmax does)" + (
+                                f", or a step before it leaves {dtype}'s range (at most "
+                                f"{most:g})" if most < 1e6 else ""))  # float16's is narrow
     try:
         x.requires_grad_(True)
         (s.call(module, x, grad=True) ** 2).mean().backward()
@@ -295,8 +309,8 @@ def large_inputs_finite(s: Subject):
         return PASSED, f"outputs finite (gradients not tested: {one_line(err, 80)})"
     if not x.grad.isfinite().all() or not all(
             p.grad.isfinite().all() for p in module.parameters() if p.grad is not None):
-        return FAILED, "inputs scaled by 1e3 give finite outputs but non-finite gradients"
-    return PASSED, "inputs scaled by 1e3: outputs and gradients finite"
+        return FAILED, f"inputs scaled by {large:g} give finite outputs but non-finite gradients"
+    return PASSED, f"inputs scaled by {large:g}: outputs and gradients finite"
 
 
 def gradients_reach_all_parameters(s: Subject):

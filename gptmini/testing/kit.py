@@ -9,7 +9,13 @@ import torch
 from torch import Tensor, nn
 
 from gptmini.testing.checks import CHECKS
-from gptmini.testing.subject import AttentionSpec, NotApplicable, Subject, one_line
+from gptmini.testing.subject import (
+    AttentionSpec,
+    NotApplicable,
+    OutOfTime,
+    Subject,
+    one_line,
+)
 
 
 @dataclass
@@ -20,6 +26,8 @@ class CheckResult:
     detail: str = ""
     loud: bool = False
     """A not-applicable row whose absence leaves a class of bugs unseen: the report warns."""
+    out_of_time: bool = False
+    """Not run because the time budget ran out first."""
 
 
 @dataclass
@@ -38,6 +46,11 @@ class Report:
     @property
     def passed(self) -> bool:
         return not self.failed
+
+    @property
+    def finished(self) -> bool:
+        """Every check ran or was not applicable by design (none left for lack of time)."""
+        return not any(r.out_of_time for r in self.results)
 
     def __getitem__(self, name: str) -> CheckResult:
         return next(r for r in self.results if r.name == name)
@@ -144,7 +157,8 @@ def run_check(subject: Subject, name: str) -> CheckResult:
     try:
         status, detail = check(subject)
     except NotApplicable as why:
-        return CheckResult(name, "not applicable", str(why), loud=why.loud)
+        return CheckResult(name, "not applicable", str(why), loud=why.loud,
+                           out_of_time=isinstance(why, OutOfTime))
     except Exception as err:  # noqa: BLE001 - the module broke on this check's input: a failure
         return CheckResult(name, "failed", one_line(err))
     return CheckResult(name, status, detail)
@@ -169,8 +183,12 @@ def check_attention(target: Callable[..., nn.Module] | str, spec: AttentionSpec 
             well under a second in all; a slow one would otherwise run for minutes).
 
     Raises:
-        ValueError: the target cannot be imported, built or run at all.
+        ValueError: the target cannot be imported, built or run at all, or `time_budget` is
+            not a positive number of seconds (a budget of none would pass by checking nothing).
     """
+    if time_budget is not None and (isinstance(time_budget, bool) or not time_budget > 0):
+        raise ValueError(f"time_budget must be a positive number of seconds (None: no limit), "
+                         f"got {time_budget!r}")
     name, subject = prepare(target, spec, device=device, dtype=dtype)
     report = Report(name, describe(subject))
     if time_budget is not None:

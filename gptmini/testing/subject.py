@@ -63,6 +63,10 @@ class NotApplicable(Exception):
         self.loud = loud
 
 
+class OutOfTime(NotApplicable):
+    """The time budget ran out before this check: untested, which a gate must not pass."""
+
+
 class InputMutated(Exception):
     """The module wrote into its input tensor: every check would see a different input."""
 
@@ -133,7 +137,7 @@ class Subject:
             NotApplicable: the time budget ran out.
         """
         if time.monotonic() > self.deadline:
-            raise NotApplicable(f"not finished: the time budget of {self.time_budget:g} s ran "
+            raise OutOfTime(f"not finished: the time budget of {self.time_budget:g} s ran "
                                 f"out (one call takes about {self.call_seconds:.2g} s); give "
                                 "a larger time_budget (--time_budget)", loud=True)
         kwargs = {}

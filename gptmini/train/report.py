@@ -49,7 +49,7 @@ class RunReport(Callback):
         curves = self.run_dir / "curves.png"
         try:
             curves = plot_curves(self.run_dir, curves)
-        except (ImportError, ValueError, FileNotFoundError) as err:
+        except (ImportError, ValueError, OSError) as err:  # OSError: a full disk, say
             curves = f"not drawn ({err})"
         text = format_report(
             run_name=self.run_dir.name, steps=trainer.global_step, first_step=self._first_step,
@@ -57,7 +57,10 @@ class RunReport(Callback):
             val_batches=trainer.limit_val_batches, checkpoints=self.run_dir / "checkpoints",
             curves=curves, prompt=self.prompt)
         print(text, flush=True)
-        (self.run_dir / "report.txt").write_text(text + "\n")
+        try:  # the checkpoints are saved: a report that cannot be written must not fail the run
+            (self.run_dir / "report.txt").write_text(text + "\n")
+        except OSError as err:
+            print(f"report.txt not written ({err})", file=sys.stderr, flush=True)
 
 
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,

@@ -3,6 +3,7 @@ acc and acc_norm on multiple-choice records, checked against answers worked out 
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,10 +131,154 @@ def test_evaluate_py_scores_a_runs_whole_validation_split_and_names_bad_records(
     (tmp_path / "bad.jsonl").write_text(json.dumps({"context": "x", "endings": ["a"]}) + "\n")
     assert evaluate_main(["--checkpoint", str(best), "--choices", str(tmp_path / "bad.jsonl")]) == 1
     err = capsys.readouterr().err
-    assert "example 1 has no ctx, label (HellaSwag's layout" in err and "context" in err
+    assert "bad.jsonl, line 1 has no ctx, label (HellaSwag's layout" in err
+    assert err.rstrip().endswith("its fields: context, endings")
 
 
 def test_a_checkpoint_without_a_corpus_asks_for_data(tmp_path, capsys):
     ckpt = save_checkpoint(make_model(vocab_size=257), tmp_path / "m.ckpt", tokenizer="byte")
     assert evaluate_main(["--checkpoint", str(ckpt)]) == 1
     assert "pass --data PATH" in capsys.readouterr().err
+
+
+# --- what is not a score is refused, by name ----------------------------------------------
+
+LAYOUT_RECORDS = {
+    "endings a string (iterated as characters)": ({"ctx": "Q", "endings": "abc", "label": 0},
+                                                  "endings must be a list of non-empty strings, "
+                                                  "got a string"),
+    "endings null": ({"ctx": "Q", "endings": None, "label": 0}, "endings must be a list"),
+    "endings numbers": ({"ctx": "Q", "endings": [1, 2], "label": 0},
+                        "got a list holding an integer"),
+    "endings one": ({"ctx": "Q", "endings": ["a"], "label": 0}, "a choice needs at least 2"),
+    "label a float": ({"ctx": "Q", "endings": ["a", "b"], "label": 1.0},
+                      "label must be an integer in 0..1 (the index of the right ending), got "
+                      "1.0 (a number)"),
+    "label a boolean": ({"ctx": "Q", "endings": ["a", "b"], "label": True}, "(a boolean)"),
+    "label null": ({"ctx": "Q", "endings": ["a", "b"], "label": None}, "got None (null)"),
+    "label out of range": ({"ctx": "Q", "endings": ["a", "b"], "label": "2"}, "got 2"),
+    "ctx an object": ({"ctx": {"text": "Q"}, "endings": ["a", "b"], "label": 0},
+                      "ctx must be a string, got an object"),
+    "a record that is a number": (5, "a record must be a JSON object, got an integer"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_RECORDS)
+def test_a_record_of_the_wrong_json_type_is_refused_naming_its_line_and_field(case, tmp_path):
+    """Before: a string of endings, a float or boolean label or an object as context each
+    gave an accuracy; null endings or label, and a number as record, a traceback."""
+    record, said = LAYOUT_RECORDS[case]
+    good = {"ctx": "Q", "endings": ["a", "b"], "label": 1}
+    path = tmp_path / "mc.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError) as refused:
+        read_choices(str(path))
+    assert str(refused.value).startswith(f"{path}, line 3: ")  # the blank line 2 counts
+    assert said in str(refused.value)
+    with pytest.raises(ValueError, match="^example 2: "):  # a caller's own records
+        score_choices(uniform_model(), BYTE, [good, record], progress=False)
+
+
+def nan_model():
+    """One NaN weight in the head: every logit, so every loss, is NaN (as a model whose
+    scores overflow would give; loading refuses a checkpoint holding one)."""
+    torch.manual_seed(0)
+    model = make_model(vocab_size=257, context_length=16)
+    with torch.no_grad():
+        model.out_head.weight[:, 0] = float("nan")
+    return model
+
+
+def test_a_score_that_is_not_finite_is_an_error_not_a_result():
+    """Before: evaluate.py printed `loss nan ... bits per byte nan` and exited 0."""
+    model = nan_model()
+    tokens = np.array(BYTE.encode("hello world, hello moon"))
+    with pytest.raises(ValueError, match=r"loss over the text is nan \(not finite\)"):
+        score_text(model, BYTE, tokens, progress=False)
+    with pytest.raises(ValueError, match="example 1: the model gives its endings"):
+        score_choices(model, BYTE, [{"ctx": "Q", "endings": ["a", "b"], "label": 0}],
+                      progress=False)
+
+
+@pytest.fixture
+def byte_checkpoint(tmp_path):
+    return save_checkpoint(uniform_model(8), tmp_path / "m.ckpt", tokenizer="byte")
+
+
+def test_ctrl_c_while_scoring_stops_in_one_line(byte_checkpoint, tmp_path, capsys,
+                                                 monkeypatch):
+    import gptmini.analysis.evaluate as evaluate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "score_text", interrupted)
+    (tmp_path / "t.txt").write_text("hello moon " * 20)
+    assert evaluate_main(["--checkpoint", str(byte_checkpoint), "--data",
+                          str(tmp_path / "t.txt"), "--cache_dir", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "evaluate.py: stopped (Ctrl-C) before the score was complete; nothing was written")
+
+
+def test_a_token_cache_that_cannot_be_written_is_worked_around(byte_checkpoint, tmp_path,
+                                                              capsys, monkeypatch):
+    """A read-only file system under the cache: tokenized in a temporary folder instead,
+    the same score, and one line saying so (before: an OSError traceback)."""
+    import errno
+
+    import gptmini.analysis.evaluate as evaluate
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello moon " * 20)
+    args = ["--checkpoint", str(byte_checkpoint), "--data", str(text)]
+    assert evaluate_main([*args, "--cache_dir", str(tmp_path / "cache")]) == 0
+    cached = capsys.readouterr().out
+    readonly = tmp_path / "readonly"
+    real = evaluate.tokenize_corpus
+
+    def tokenize(spec, *, cache_dir, **kwargs):
+        if Path(cache_dir) == readonly:
+            raise OSError(errno.EROFS, "Read-only file system", str(readonly / "tokens"))
+        return real(spec, cache_dir=cache_dir, **kwargs)
+
+    monkeypatch.setattr(evaluate, "tokenize_corpus", tokenize)
+    assert evaluate_main([*args, "--cache_dir", str(readonly)]) == 0
+    out = capsys.readouterr()
+    assert out.out == cached
+    assert (f"the token cache cannot be written ({readonly / 'tokens'}: Read-only file system)"
+            in out.err)
+
+
+def test_a_full_stdout_is_one_line_and_a_failure(byte_checkpoint, tmp_path, capsys,
+                                                monkeypatch):
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello moon " * 20)
+    monkeypatch.setattr("sys.stdout", Full())
+    assert evaluate_main(["--checkpoint", str(byte_checkpoint), "--data", str(text),
+                          "--cache_dir", str(tmp_path)]) == 1
+    assert "could not write the score to stdout (No space left on device)" in (
+        capsys.readouterr().err)
+
+
+def test_a_text_that_is_not_utf8_is_told_evaluates_own_flag(byte_checkpoint, tmp_path, capsys):
+    """Before: the advice named --data.corpus.encoding_errors, a flag of train.py that
+    evaluate.py rejects."""
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("caf\u00e9 au lait ".encode("latin-1") * 20)
+    args = ["--checkpoint", str(byte_checkpoint), "--data", str(text), "--cache_dir",
+            str(tmp_path)]
+    assert evaluate_main(args) == 1
+    err = capsys.readouterr().err
+    assert "--encoding_errors replace" in err and "--data.corpus" not in err
+    assert evaluate_main([*args, "--encoding_errors", "replace"]) == 0
+    assert evaluate_main(["--checkpoint", str(byte_checkpoint), "--data",
+                          str(tmp_path / "nope.txt")]) == 1
+    assert "--data " in capsys.readouterr().err.splitlines()[-1]  # not train.py's flag

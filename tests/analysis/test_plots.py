@@ -1,5 +1,7 @@
 """Attention weights, heatmaps and training curves as pictures."""
 
+import math
+
 import pytest
 import torch
 from helpers import PROMPT, png_size, tiny
@@ -134,3 +136,38 @@ def test_plot_curves_writes_a_png(run_dir, tmp_path):
         200,
         150,
     )
+
+
+def test_a_metrics_file_cut_mid_row_keeps_its_whole_rows_and_names_the_file(run_dir):
+    """Before: a resumed run trained, saved, then exited 1 with "could not convert string to
+    float" from the report, naming no file. A last line without its line end may have lost
+    digits too (4.6 from 4.65): it is skipped, not read."""
+    path = run_dir / "logs" / "version_0" / "metrics.csv"
+    whole, original = load_metrics(path)[0], path.read_text()
+    path.write_text(original + "0,40,,4.6")  # a row cut short mid-number
+    with pytest.warns(UserWarning, match=rf"{path}: skipped 1 row\(s\).*line 6"):
+        assert load_metrics(path)[0] == whole
+    path.write_text(original + "0,40,,4.6e-\r\n")  # a number cut, the line end kept
+    with pytest.warns(UserWarning, match="cells that are not numbers"):
+        assert load_metrics(path)[0] == whole
+
+
+def test_a_cell_over_csvs_size_limit_or_binary_bytes_are_skipped_not_raised(run_dir):
+    """Before: serve.py refused to start on a run whose metrics held a 128 KB cell
+    (_csv.Error from the page's checkpoint panel)."""
+    path = run_dir / "logs" / "version_1" / "metrics.csv"
+    whole, resumes = load_metrics(run_dir)
+    with open(path, "a", newline="") as file:
+        file.write('0,60,,"' + "9" * 200_000 + '",,,\r\n')
+    with open(path, "ab") as file:
+        file.write(b"\x00\xff\xfe,\x89PNG\r\n")
+    with pytest.warns(UserWarning, match="skipped 2 row"):
+        assert load_metrics(run_dir) == (whole, resumes)
+
+
+def test_non_finite_values_are_kept_as_logged(run_dir):
+    path = run_dir / "logs" / "version_1" / "metrics.csv"
+    with open(path, "a", newline="") as file:
+        file.write("1,60,,nan,,inf,\r\n")
+    metrics, _ = load_metrics(run_dir)
+    assert math.isnan(metrics["train/loss"][1][-1]) and metrics["val/loss"][1][-1] == math.inf

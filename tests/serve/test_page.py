@@ -189,7 +189,8 @@ def test_checkpoint_panel_and_head_roles(served, run):
     assert info["steps"] == 1 and info["tokenizer"] == {"name": "byte", "n_vocab": 257}
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert info["settings"]["window_size"] == WINDOW and info["model"] == "tiny"
-    assert info["curves"]["train/loss"] == {"steps": [9, 19], "values": [5.0, 4.0]}
+    assert info["curves"]["train/loss"] == {"steps": [9, 19], "values": [5.0, 4.0],
+                                            "non_finite_steps": []}
     assert info["val_loss"] == 4.5 and info["val_bpb"] is None
     roles = httpx.get(f"{url}/gptmini/heads", headers=KEY).json()
     assert roles == json.loads(json.dumps(head_roles(model).to_dict()))
@@ -213,3 +214,77 @@ def test_parameter_parts_count_a_tied_head_once_and_say_so(tied, position):
     panel = checkpoint_panel(model, ENC)
     assert panel["tied_weights"] is tied
     assert sum(panel["parameter_parts"].values()) == panel["parameters"]
+
+
+# --- what the page's endpoints answer for odd runs and models -----------------------------
+
+
+def small_app(model, checkpoint: dict | None = None):
+    from fastapi.testclient import TestClient
+
+    app = create_app(Engine(model.eval(), ENC, block_size=4), "odd", checkpoint=checkpoint)
+    return TestClient(app)
+
+
+def test_a_nan_in_the_runs_metrics_is_left_out_of_its_curve_and_named(run, tmp_path):
+    """Before: GET /gptmini/checkpoint answered 500 "Out of range float values are not JSON
+    compliant" for a run whose loss went NaN."""
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(run.parent.parent, root)
+    write_metrics(root / "logs" / "version_0" / "metrics.csv", [
+        {"epoch": 0, "step": 9, "train/loss": 5.0},
+        {"epoch": 0, "step": 19, "train/loss": float("nan")},
+        {"epoch": 0, "step": 19, "val/loss": float("inf")}])
+    model, tokenizer, hparams = load_checkpoint(root / "checkpoints" / "last.ckpt")
+    panel = checkpoint_panel(model, tokenizer, root / "checkpoints" / "last.ckpt", hparams)
+    json.dumps(panel, allow_nan=False)  # what the server's JSON response does
+    assert panel["curves"]["train/loss"] == {"steps": [9], "values": [5.0],
+                                             "non_finite_steps": [19]}
+    assert panel["val_loss"] is None
+    with small_app(model, panel) as client:
+        answer = client.get("/gptmini/checkpoint")
+        assert answer.status_code == 200 and answer.json()["curves"] == panel["curves"]
+
+
+def test_a_metrics_cell_over_csvs_limit_does_not_stop_the_server(run, tmp_path):
+    """Before: serve.py refused to start (_csv.Error: field larger than field limit)."""
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(run.parent.parent, root)
+    metrics = root / "logs" / "version_0" / "metrics.csv"
+    with open(metrics, "a", newline="") as file:
+        file.write('0,29,,"' + "1" * 200_000 + '",,,\r\n')
+    model, tokenizer, hparams = load_checkpoint(root / "checkpoints" / "last.ckpt")
+    with pytest.warns(UserWarning, match=f"{metrics}: skipped 1 row"):
+        panel = checkpoint_panel(model, tokenizer, root / "checkpoints" / "last.ckpt", hparams)
+    assert panel["curves"]["train/loss"]["steps"] == [9, 19]
+
+
+def test_head_roles_of_a_context_too_short_are_a_422_that_says_why():
+    """Before: a bare 500 (a ValueError from head_roles) for context_length 4."""
+    model = GPTModel(GPTConfig(vocab_size=ENC.n_vocab, context_length=4, emb_dim=16,
+                               n_heads=2, n_layers=1, drop_rate=0.0))
+    with small_app(model) as client:
+        answer = client.get("/gptmini/heads")
+        assert answer.status_code == 422
+        assert "at least 5 tokens); this model's context_length is 4" in (
+            answer.json()["error"]["message"])
+        assert client.post("/gptmini/attention", json={"prompt": "abcd"}).status_code == 200
+
+
+def test_a_model_computing_nan_is_answered_a_500_that_says_so():
+    """Before: /gptmini/attention gave a bare 500 for a model whose weights hold NaN (loading
+    refuses such a checkpoint; weights that overflow in the served dtype give the same)."""
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=ENC.n_vocab, context_length=16, emb_dim=16,
+                               n_heads=2, n_layers=1, drop_rate=0.0))
+    with torch.no_grad():
+        model.trf_blocks[0].att.W_query.weight[0, 0] = float("nan")
+    with small_app(model) as client:
+        for answer in (client.post("/gptmini/attention", json={"prompt": "abc"}),
+                       client.get("/gptmini/heads")):
+            assert answer.status_code == 500
+            assert "are not finite (NaN or inf)" in answer.json()["error"]["message"]

@@ -380,3 +380,24 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(model):
         assert engine.blocks.num_free == free and not engine.has_work
     finally:
         stop()
+
+
+def test_a_seeded_response_says_whether_its_text_depends_on_the_batch(served, model):
+    """float64 weights: batch_invariant true. float32: false, the documented rare flip
+    (before, a client was told nothing and could take a float32 seed as reproducible)."""
+    ask = {"model": "tiny", "prompt": "a", "max_tokens": 2, "temperature": 1.0}
+    answer = httpx.post(f"{served[0]}/v1/completions", json={**ask, "seed": 1}, timeout=60)
+    assert answer.json()["batch_invariant"] is True
+    plain = httpx.post(f"{served[0]}/v1/completions", json=ask, timeout=60).json()
+    assert "batch_invariant" not in plain  # no seed: no text promised
+    url, _, stop = start(GPTModel(model.cfg).eval())  # float32
+    try:
+        answer = httpx.post(f"{url}/v1/completions", json={**ask, "seed": 1}, timeout=60)
+        assert answer.json()["batch_invariant"] is False
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={**ask, "seed": 1, "stream": True}) as events:
+            chunks = [json.loads(line[6:]) for line in events.iter_lines()
+                      if line.startswith("data: {")]
+        assert chunks and all(c["batch_invariant"] is False for c in chunks)
+    finally:
+        stop()

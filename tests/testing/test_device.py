@@ -59,3 +59,41 @@ def test_command_line_reports_and_refuses_a_missing_device():
     missing = subprocess.run([sys.executable, "-m", "gptmini.testing", "--device", "nosuch"],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "--device nosuch is not available" in missing.stderr
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--device", "meta"], "error: --device meta is not available"),
+    (["--backends", ""], "error: --backends '' names no attention kernel"),
+    (["--backends", ","], "names no attention kernel"),
+    (["--backends", "nope"], "error: --backends nope: unknown attention backend 'nope'"),
+    (["--backends", "flex"], "nothing was checked"),
+])
+def test_command_line_says_what_cannot_be_checked_in_one_line(flags, said, capsys):
+    """Before: each of these raised a traceback (flex: in the CPU reference's backward)."""
+    from gptmini.testing.__main__ import main
+
+    assert main(["--dtype", "float32", *flags]) == 2
+    out = capsys.readouterr()
+    assert said in out.err + out.out
+
+
+@pytest.mark.parametrize("device, backends, said", [
+    ("meta", ("sdpa",), "the meta device holds shapes, not numbers"),
+    ("nosuch", ("sdpa",), "nosuch is not available here"),
+    ("cpu", ("nope",), "unknown attention backend 'nope'"),
+    ("cpu", (), "no attention backend to check"),
+])
+def test_a_device_or_backend_that_cannot_be_checked_is_refused_by_name(device, backends, said):
+    """Before: meta raised NotImplementedError deep in the comparison, an unknown or empty
+    backend a GPTConfig traceback."""
+    with pytest.raises(ValueError, match=said):
+        check_device(device, (torch.float32,), backends)
+
+
+def test_flex_on_cpu_is_skipped_with_its_reason_and_skips_alone_do_not_pass():
+    report = check_device("cpu", (torch.float32,), ("flex",))
+    assert report.cases[0].skipped and "no backward pass on CPU" in report.cases[0].line()
+    assert report.checked == 0 and not report.passed
+    assert "nothing was checked" in str(report)
+    both = check_device("cpu", (torch.float32,), ("flex", "sdpa"))
+    assert both.passed and both.checked == 1 and "1 skipped" in str(both)

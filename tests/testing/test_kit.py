@@ -179,7 +179,7 @@ BUGS = {
                                   "outputs finite, but the input's gradient is not"),
     "mask only up to 4 tokens": (READER_SPEC, ["causality"],
                                  "length 5: changing token 1 moves the output at position 0"),
-    "exp without the max": (READER_SPEC, ["large_inputs_finite"], "inputs scaled by 1e3"),
+    "exp without the max": (READER_SPEC, ["large_inputs_finite"], "inputs scaled by 1000"),
     "keys detached": (READER_SPEC, ["gradients_reach_all_parameters"],
                       "no gradient reaches W_key.weight"),
     "dropout always on": (READER_SPEC, ["eval_deterministic"], "two calls in eval mode differ"),
@@ -335,6 +335,29 @@ def test_a_slow_module_is_stopped_by_the_time_budget():
     assert "WARNING" in str(report)
 
 
+def test_large_inputs_stay_in_float16s_range_so_correct_attention_passes():
+    """Before: inputs x 1e3 overflowed float16 in the scores themselves (max 65504), so the
+    book's attention failed and was told to subtract each row's maximum, which it does."""
+    correct = check_attention(reader(), READER_SPEC, dtype=torch.float16)
+    assert correct["large_inputs_finite"].status == "passed", correct
+    assert "scaled by 16" in correct["large_inputs_finite"].detail
+    naive = check_attention(reader("exp without the max"), READER_SPEC, dtype=torch.float16)
+    assert naive["large_inputs_finite"].status == "failed"  # still caught at the fair scale
+    assert "subtract each row's maximum" in naive["large_inputs_finite"].detail
+
+
+@pytest.mark.parametrize("budget", [-1.0, 0.0, float("nan")])
+def test_a_budget_that_would_check_nothing_is_refused(budget):
+    with pytest.raises(ValueError, match="time_budget must be a positive number of seconds"):
+        check_attention(reader(), time_budget=budget)
+
+
+def test_checks_the_budget_did_not_reach_leave_the_report_unfinished():
+    assert check_attention(reader(), READER_SPEC).finished
+    report = check_attention(Slow, time_budget=0.5)
+    assert report.passed and not report.finished  # nothing failed, yet not all checked
+
+
 # --- the command line and the pytest plugin ----------------------------------------------
 
 MODULES = """
@@ -365,6 +388,18 @@ def test_command_line_prints_the_table_and_exits_non_zero_on_a_failure(tmp_path)
     missing = run(["-m", "gptmini.testing", "mine:Nope"], tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == "gptmini.testing: error: mine has no 'Nope'"
+
+
+def test_a_gate_that_checked_nothing_does_not_pass(capsys):
+    """Before: --time_budget -1 ran almost no check and exited 0."""
+    from gptmini.testing.__main__ import main
+
+    target = "gptmini.attention:MultiHeadAttention"
+    for budget in ("-1", "nan"):
+        assert main([target, "--time_budget", budget]) == 2
+        assert f"--time_budget {budget} must be 0 (no limit)" in capsys.readouterr().err
+    assert main([target, "--time_budget", "1e-9"]) == 1
+    assert "not a pass" in capsys.readouterr().err
 
 
 @pytest.mark.slow
