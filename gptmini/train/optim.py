@@ -182,12 +182,18 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, adamw_groups: list[dict], muon_params: list[nn.Parameter], *,
                  learning_rate: float, muon_learning_rate: float, weight_decay: float,
                  betas: tuple[float, float], fused: bool, ns_steps: int = 5,
-                 ns_coefficients: str = "jordan"):
+                 ns_coefficients: str = "jordan", batched: bool = True):
         self.adamw = torch.optim.AdamW(adamw_groups, lr=learning_rate, betas=betas,
                                        fused=fused)
-        self.muon = BatchedMuon(muon_params, lr=muon_learning_rate, weight_decay=weight_decay,
-                                adjust_lr_fn=MUON_ADJUST_LR, ns_steps=ns_steps,
-                                ns_coefficients=ns_coefficients)
+        if batched:
+            self.muon = BatchedMuon(muon_params, lr=muon_learning_rate,
+                                    weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR,
+                                    ns_steps=ns_steps, ns_coefficients=ns_coefficients)
+        else:  # torch's own, one matrix at a time (the reference bench/speedrun.py times)
+            self.muon = muon_class()(muon_params, lr=muon_learning_rate,
+                                     weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR,
+                                     ns_steps=ns_steps,
+                                     ns_coefficients=NS_COEFFICIENTS[ns_coefficients][1][0])
         super().__init__([*self.adamw.param_groups, *self.muon.param_groups], {})
         self._share()
 
@@ -215,10 +221,15 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: float,
                weight_decay: float, betas: tuple[float, float], device: torch.device,
-               ns_steps: int = 5, ns_coefficients: str = "jordan") -> MuonAdamW:
+               ns_steps: int = 5, ns_coefficients: str = "jordan",
+               batched: bool = True) -> MuonAdamW:
     """Muon for the 2-D weights inside `model.trf_blocks` (attention and MLP projections);
     AdamW for the embeddings and head (decayed) and the biases and norm gains (not).
-    `ns_steps` Newton-Schulz iterations with the NS_COEFFICIENTS set `ns_coefficients`."""
+    `ns_steps` Newton-Schulz iterations with the NS_COEFFICIENTS set `ns_coefficients`;
+    `batched` False: torch's Muon itself, one matrix at a time (only "jordan")."""
+    if not batched and ns_coefficients != "jordan":
+        raise ValueError("torch's Muon takes one (a, b, c) for every iteration: use "
+                         "ns_coefficients='jordan' with batched=False")
     hidden = [p for p in model.trf_blocks.parameters() if p.requires_grad and p.dim() == 2]
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -227,7 +238,7 @@ def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: fl
     return MuonAdamW(groups, hidden, learning_rate=learning_rate,
                      muon_learning_rate=muon_learning_rate, weight_decay=weight_decay,
                      betas=betas, fused=device.type in ("cuda", "cpu"), ns_steps=ns_steps,
-                     ns_coefficients=ns_coefficients)
+                     ns_coefficients=ns_coefficients, batched=batched)
 
 
 def check_muon_settings(ns_steps: int, ns_coefficients: str) -> None:
