@@ -18,8 +18,8 @@ gradient but for one term, added back here:
 
 where xhat = x * rstd and rstd = 1 / sqrt(mean(x^2) + eps); the gain's gradient,
 sum(g * xhat), is the same for both. Like torch's, the result is computed in float32 and
-rounded once to the input's dtype. On other devices, and inside torch.compile (which fuses
-torch's own formula), it is `nn.RMSNorm`'s forward.
+rounded once to the input's dtype. Inside torch.compile it is the formula, which inductor
+fuses into one kernel; on other devices, `nn.RMSNorm`'s forward.
 """
 
 import torch
@@ -73,7 +73,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float | None = None) -> Tensor:
     Returns:
         (..., dim) in x's dtype, whatever the weight's (as torch's).
     """
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the formula, which inductor fuses (no warning)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        eps = torch.finfo(wide).eps if eps is None else eps
+        xf = x.to(wide)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        return (xf * rstd * weight.to(wide)).to(x.dtype)
+    if x.device.type != "cpu":
         return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNormFunction.apply(x, weight, eps)
 

@@ -119,8 +119,8 @@ def test_without_a_gain_it_is_torchs():
 
 
 @pytest.mark.slow
-def test_under_torch_compile_it_is_torchs_formula():
-    """Inside a compiled graph the norm is torch's formula, which inductor fuses."""
+def test_under_torch_compile_it_is_torchs_result():
+    """Inside a compiled graph the norm is the formula, which inductor fuses."""
     gen = torch.Generator().manual_seed(4)
     norm = RMSNorm(16, eps=1e-6)
     norm.weight.data.uniform_(0.5, 1.5, generator=gen)
