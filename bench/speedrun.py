@@ -28,7 +28,7 @@ matrix at a time, instead of the batched one), "compile" (torch.compile the mode
 search: "batch_size", "learning_rate", "muon_learning_rate", "model" fields (n_layers,
 emb_dim, n_heads, ...).
 
-    python bench/speedrun.py [--budget 40] [--seeds 1 2 3 4 5] [--recipes NAME ...]
+    python bench/speedrun.py [--budget 40] [--seeds 1 2 3 4 5] [--recipes NAME[JSON] ...]
                              [--set JSON] [--points 3] [--plot PNG] [--json FILE]
                              [--step_cost] [--lightning STEPS]
 """
@@ -100,9 +100,19 @@ the exact ones together ("tuned", today's default), and the inexact ones beside 
 
 
 def recipe_settings(name: str, overrides: dict | None = None) -> dict:
-    """BOOK with the recipe's changes (and `overrides`) applied, model fields merged."""
+    """BOOK with the recipe's changes (and `overrides`) applied, model fields merged. `name`
+    is a RECIPES name, or one with JSON changes of its own after it, for a recipe search in
+    one run: 'tuned{"batch_size": 16}'."""
+    base, brace, own = name.partition("{")
+    if base not in RECIPES:
+        raise SystemExit(f"--recipes {name!r}: use one of {', '.join(RECIPES)}, optionally "
+                         "followed by JSON changes such as 'tuned{\"batch_size\": 16}'")
+    try:
+        own = json.loads(brace + own) if brace else {}
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--recipes {name!r}: its changes are not JSON ({err})") from None
     settings = {**BOOK, "model": dict(BOOK["model"])}
-    for change in (RECIPES[name], overrides or {}):
+    for change in (RECIPES[base], own, overrides or {}):
         settings["model"].update(change.get("model", {}))
         settings.update({k: v for k, v in change.items() if k != "model"})
     return settings
@@ -277,7 +287,8 @@ def report(results: dict, baseline: str, budget: float) -> None:
     """The table: each recipe's bits per byte over its seeds against the baseline's, and
     where its steps' time went."""
     base = [r["curve"][-1][1] for r in results[baseline]]
-    print(f"\n{'recipe':<18}{'steps':>6}{'tok/s':>7}  {'val bpb mean ± sd (min-max)':<30}"
+    width = max(18, *(len(n) + 2 for n in results))
+    print(f"\n{'recipe':<{width}}{'steps':>6}{'tok/s':>7}  {'val bpb mean ± sd (min-max)':<30}"
           f"{'vs ' + baseline:>10}{'p':>9}  | ms/step: " + " ".join(f"{p:>5.5}" for p in PARTS)
           + "  first s  val s")
     for name, runs in results.items():
@@ -288,7 +299,7 @@ def report(results: dict, baseline: str, budget: float) -> None:
              else f"{welch_t_test(finals, base).p:.4f}")
         parts = " ".join(f"{statistics.mean(r['parts_ms'][q] for r in runs):5.1f}"
                          for q in PARTS)
-        print(f"{name:<18}{statistics.mean(r['steps'] for r in runs):>6.0f}"
+        print(f"{name:<{width}}{statistics.mean(r['steps'] for r in runs):>6.0f}"
               f"{statistics.mean(r['tokens_per_sec'] for r in runs):>7.0f}  {bpb:<30}"
               f"{statistics.mean(finals) - statistics.mean(base):>+10.3f}{p:>9}  |          "
               f"{parts}  {statistics.mean(r['first_step_s'] for r in runs):7.1f}"
@@ -304,8 +315,9 @@ def main():
     parser.add_argument("--budget", "--seconds", dest="seconds", type=float, default=40.0,
                         help="training seconds per run (validation not counted)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    parser.add_argument("--recipes", nargs="+", default=LEVERS, choices=list(RECIPES),
-                        help="the first is the baseline of the t-tests")
+    parser.add_argument("--recipes", nargs="+", default=LEVERS,
+                        help=f"the first is the baseline of the t-tests; one of {list(RECIPES)}"
+                             ', each optionally with JSON changes: \'tuned{"batch_size": 16}\'')
     parser.add_argument("--set", default="{}",
                         help='JSON changes for every recipe, e.g. \'{"batch_size": 16, '
                              '"muon_learning_rate": 4e-3, "model": {"n_layers": 6}}\'')
@@ -341,6 +353,8 @@ def main():
     enc, windows, val_tokens = corpus(args.cache_dir)
     val_tokens = val_tokens[: args.val_tokens]
     overrides = json.loads(args.set)
+    for name in args.recipes:  # a typo fails now, not after an hour of other recipes
+        recipe_settings(name, overrides)
     if args.step_cost:
         step_cost(enc, windows, precision, args.recipes, overrides)
     results = {}

@@ -26,7 +26,8 @@ def run_bench(args: list[str]) -> str:
 def test_speedrun_prints_statistics_and_where_the_time_goes(tmp_path):
     out = run_bench(["bench/speedrun.py", "--budget", "1", "--seeds", "1", "2", "--points", "1",
                      "--threads", "1", "--val_tokens", "3000", "--cache_dir", str(tmp_path),
-                     "--recipes", "qwen3-torch", "+ns3", "--set", TINY, "--step_cost"])
+                     "--recipes", "qwen3-torch", '+ns3{"batch_size": 4}', "--set", TINY,
+                     "--step_cost"])
     assert out.startswith("machine: ")
     assert "step cost" in out and "optimizer.step" in out
     lines = out.splitlines()
@@ -35,7 +36,7 @@ def test_speedrun_prints_statistics_and_where_the_time_goes(tmp_path):
     for column in ("val bpb mean ± sd", "vs qwen3-torch", "p", "forwa", "backw", "optim",
                    "loop", "first s", "val s"):
         assert column in header
-    row = next(line for line in table if line.startswith("+ns3 "))
+    row = next(line for line in table if line.startswith("+ns3{"))
     p = float(row.split("|")[0].split()[-1])  # the t-test's p against the baseline
     assert 0.0 <= p <= 1.0
     assert "claim a gain at p < 0.01 with at least 5 seeds (2 here)" in out
