@@ -4,8 +4,9 @@
 `_fused_rms_norm_backward` for no CPU): autograd differentiates the composite formula, a
 dozen passes over the activations, and under bf16 autocast the float32 gain makes even the
 forward composite (with a "Mismatch dtype ... Cannot dispatch to fused implementation"
-warning on every run). Measured on a 2-core Xeon with AMX, forward and backward of 1,024 x
-256: F.rms_norm 1.7-1.9 ms, nn.LayerNorm 0.35-0.48 ms (bench/bench_norms.py prints today's).
+warning on every run). Measured on a 2-core Xeon with AMX shared with other jobs, forward
+and backward of 1,024 x 256, 1 thread: F.rms_norm 1.7-2.3 ms, this one 0.7-1.4 ms,
+nn.LayerNorm 0.35-0.6 ms (bench/bench_norms.py prints today's, side by side).
 
 `RMSNorm` here is `nn.RMSNorm` (the same `weight`, the same checkpoints) whose CPU forward
 and backward are written by hand in float32 (float64 stays float64) and reach a fused
