@@ -4,6 +4,7 @@
     kv_cache.py   the KV-cache interface and the contiguous KVCache
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
                   with the layers' `AttentionSettings`
+    norm.py       RMSNorm (the QK-norm's and the model's): torch's result, fast on a CPU
     masks.py      the mask algebra (True = may attend) and score modifiers (ALiBi, soft-cap)
     positions/    position schemes, one object each: learned, rope, alibi, none (`SCHEMES`)
     kernels/      sdpa, explicit, flex, tiled (flash attention's algorithm), as a table

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from gptmini.attention.context import AttentionContext, AttentionSettings
 from gptmini.attention.kernels import KERNELS, backend_name, explicit_attention, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
+from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import (
     AlibiPositions,
     NoPositions,
@@ -111,8 +112,8 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         if qk_norm:  # one gain per head dimension, shared by the heads
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps=1e-6)
+            self.k_norm = RMSNorm(self.head_dim, eps=1e-6)
         self.qk_norm = qk_norm
         # The book registers its triangular mask as a buffer; here masks are built per call
         # (gptmini.attention.context), so they also cover caches, windows, padding and
@@ -169,12 +170,13 @@ class MultiHeadAttention(nn.Module):
         keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
         values = self.W_value(x)
 
-        # (b, num_tokens, num_heads, head_dim) -> (b, num_heads, num_tokens, head_dim)
-        queries = queries.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        keys = keys.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
+        queries = queries.view(b, num_tokens, self.num_heads, self.head_dim)
+        keys = keys.view(b, num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head vector, while each is still contiguous in memory
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        # (b, num_tokens, num_heads, head_dim) -> (b, num_heads, num_tokens, head_dim)
+        queries, keys = queries.transpose(1, 2), keys.transpose(1, 2)
+        values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # rotated at their positions (a rotary scheme), then cached
         queries, keys = self.settings.position_scheme.rotate(queries, keys, context)
 

@@ -26,6 +26,7 @@ from gptmini.runtime import peak_flops_of
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
 from gptmini.train.optim import (
     apply_changed_settings,
+    check_muon_settings,
     check_optimizer,
     make_optimizer,
     warmup_cosine,
@@ -63,6 +64,9 @@ class GPTLitModule(L.LightningModule):
             for the blocks' matrices, AdamW for embeddings, head, norms and biases.
         muon_learning_rate: Muon's peak rate, scaled per matrix by 0.2 * sqrt(max(rows,
             cols)) to match AdamW's update size; same warmup and decay.
+        muon_ns_steps: Muon's Newton-Schulz iterations per step (torch's default 5).
+        muon_ns_coefficients: Their coefficients: "jordan" (torch's default, one quintic
+            for every iteration) or "polar_express" (one per iteration, for 5 iterations).
         min_lr_ratio: The cosine decay ends at learning_rate * min_lr_ratio.
         warmup_steps: Optimizer steps of linear warmup from 0 (at most the run's length).
         weight_decay: AdamW weight decay, on matrices and embeddings only.
@@ -93,6 +97,8 @@ class GPTLitModule(L.LightningModule):
         learning_rate: float = 1e-3,
         optimizer: str = "adamw",
         muon_learning_rate: float = 2e-3,
+        muon_ns_steps: int = 5,
+        muon_ns_coefficients: str = "jordan",
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 60,
         weight_decay: float = 0.1,
@@ -110,6 +116,7 @@ class GPTLitModule(L.LightningModule):
                        weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                        peak_flops=peak_flops, loss_chunk_size=loss_chunk_size)
         check_optimizer(optimizer)  # a torch without Muon fails here, before any data is read
+        check_muon_settings(muon_ns_steps, muon_ns_coefficients)
         self.tokenizer = get_tokenizer(tokenizer)
         """The run's tokenizer, resolved once: callbacks and checkpoints read it here."""
         try:
@@ -438,7 +445,9 @@ class GPTLitModule(L.LightningModule):
         optimizer = make_optimizer(self.model, name, learning_rate=hp.learning_rate,
                                    muon_learning_rate=hp.muon_learning_rate,
                                    weight_decay=hp.weight_decay, betas=(hp.beta1, hp.beta2),
-                                   device=self.device, sharded=sharded)
+                                   device=self.device, sharded=sharded,
+                                   muon_ns_steps=hp.get("muon_ns_steps", 5),
+                                   muon_ns_coefficients=hp.get("muon_ns_coefficients", "jordan"))
         schedule = warmup_cosine(optimizer, warmup_steps=self._warmup_steps(),
                                  total_steps=self._total_steps(), min_ratio=hp.min_lr_ratio,
                                  asked_warmup=hp.warmup_steps)

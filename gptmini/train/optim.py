@@ -13,19 +13,75 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "OPTIMIZATION_FIELDS", "OPTIMIZERS", "MuonAdamW",
-           "adamw", "apply_changed_settings", "check_optimizer", "lr_factor", "make_optimizer",
-           "muon_adamw", "muon_class", "warmup_cosine"]
+__all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIELDS", "OPTIMIZERS",
+           "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings", "check_muon_settings",
+           "check_optimizer", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
+           "orthogonalize", "warmup_cosine"]
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
-                       "weight_decay", "beta1", "beta2")
+                       "weight_decay", "beta1", "beta2", "muon_ns_steps", "muon_ns_coefficients")
 """Settings a resumed run may change; the model's shape may not."""
 MUON_TORCH = "2.9"
 """The first torch release with `torch.optim.Muon`."""
 MUON_ADJUST_LR = "match_rms_adamw"
 """torch Muon's per-shape rate: 0.2 * sqrt(max(rows, cols)) x its lr, so that an update's
 RMS is AdamW's (Moonshot's "Muon is Scalable"), and the AdamW weight decay carries over."""
+
+
+NS_COEFFICIENTS: dict[str, tuple[float, tuple[tuple[float, float, float], ...]]] = {
+    # Keller Jordan's quintic (https://kellerjordan.github.io/posts/muon/), torch.optim.Muon's
+    # default: one (a, b, c) for every iteration, its slope at 0 maximized; 5 iterations
+    # leave the singular values in about [0.7, 1.2].
+    "jordan": (1.0, ((3.4445, -4.7750, 2.0315),)),
+    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv 2505.16932, Algorithm 1 with
+    # num_iters=5, safety factor 2e-2, cushion 2), as modded-nanogpt's record log and
+    # nanochat's Muon use them: one polynomial per iteration, each the minimax-optimal one
+    # for the interval the previous left, and the input scaled by 1/1.02 of its norm for
+    # the safety factor. Designed for exactly 5 iterations (about [0.87, 1.14]); fewer stop
+    # mid-way, where the early polynomials overshoot (docs/recipes.md).
+    "polar_express": (1.02, (
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    )),
+}
+"""Newton-Schulz coefficient sets by name: (norm scale, one (a, b, c) per iteration; the
+last repeats when there are more iterations)."""
+
+
+def orthogonalize(updates: torch.Tensor, coefficients: str | tuple = "jordan", steps: int = 5,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Newton-Schulz iterations towards U V^T of each matrix's SVD U S V^T, in bf16.
+
+    Args:
+        updates: (k, rows, cols) same-shape matrices, orthogonalized in one batched call.
+        coefficients: a name in NS_COEFFICIENTS, or one (a, b, c) for every iteration
+            (torch.optim.Muon's `ns_coefficients`; old checkpoints hold one).
+        steps: iterations.
+        eps: the least norm divided by.
+
+    Returns:
+        (k, rows, cols) bf16. With "jordan" and 5 steps, bit for bit torch.optim.Muon's
+        result for each matrix (one matmul per matrix of the stack, the same order of
+        operations); stacked, a step calls 3 batched matmuls per shape and iteration where
+        torch calls 3 per matrix.
+    """
+    scale, table = (NS_COEFFICIENTS[coefficients] if isinstance(coefficients, str)
+                    else (1.0, (tuple(coefficients),)))
+    x = updates.bfloat16()
+    tall = updates.size(-2) > updates.size(-1)
+    if tall:  # the Gram matrix of the shorter side
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * scale).clamp(min=eps)  # spectral norm <= 1
+    for i in range(steps):
+        a, b, c = table[min(i, len(table) - 1)]
+        gram = x @ x.mT  # (k, short, short)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
 
 
 def adamw(params: Iterable[nn.Parameter], *, learning_rate: float, weight_decay: float,
@@ -53,8 +109,66 @@ def muon_class() -> type[torch.optim.Optimizer]:
     return muon
 
 
+class BatchedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
+    """torch's Muon, with the same-shape matrices orthogonalized in one batched call and
+    the Newton-Schulz steps and coefficients per group (`ns_steps`, `ns_coefficients`: a
+    name in NS_COEFFICIENTS, or one (a, b, c)). With torch's defaults ("jordan", 5 steps)
+    the parameters are torch's Muon's bit for bit, and the state dict has its layout.
+
+    The default run's 28 matrices are 2 shapes (256 x 256, and 256 x 704 with the 704 x 256
+    ones transposed): 30 batched matmuls a step where torch calls 420 one by one
+    (`bench/speedrun.py --step_cost` prints what each costs).
+    """
+
+    def __init__(self, params, **kwargs):
+        muon_class()  # a torch without Muon: the error that names the release
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum, lr = group["momentum"], group["lr"]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        updates = []
+        for i, p in enumerate(params):  # torch's momentum, Nesterov or not
+            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+            buf.lerp_(p.grad, 1 - momentum)
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            updates.append(update.mT if update.size(0) > update.size(1) else update)  # wide
+            by_shape.setdefault(tuple(updates[-1].shape), []).append(i)
+        for indices in by_shape.values():
+            stack = torch.stack([updates[i] for i in indices])  # (k, short, long)
+            done = orthogonalize(stack, group["ns_coefficients"], group["ns_steps"],
+                                 group["eps"])
+            for i, update in zip(indices, done.unbind(), strict=True):
+                p = params[i]
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update.mT if p.size(0) > p.size(1) else update,
+                       alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch Muon's per-shape rate (torch.optim._muon._adjust_lr, private there)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
 class MuonAdamW(torch.optim.Optimizer):
-    """torch's Muon on the hidden matrices and fused AdamW on the rest, as one optimizer.
+    """torch's Muon (batched: `BatchedMuon`) on the hidden matrices and fused AdamW on the
+    rest, as one optimizer.
 
     Lightning's automatic optimization steps one optimizer; as one, the warmup/cosine
     scheduler (each group keeps its own base rate), gradient clipping, accumulation,
@@ -67,11 +181,19 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, adamw_groups: list[dict], muon_params: list[nn.Parameter], *,
                  learning_rate: float, muon_learning_rate: float, weight_decay: float,
-                 betas: tuple[float, float], fused: bool):
+                 betas: tuple[float, float], fused: bool, ns_steps: int = 5,
+                 ns_coefficients: str = "jordan", batched: bool = True):
         self.adamw = torch.optim.AdamW(adamw_groups, lr=learning_rate, betas=betas,
                                        fused=fused)
-        self.muon = muon_class()(muon_params, lr=muon_learning_rate, weight_decay=weight_decay,
-                                 adjust_lr_fn=MUON_ADJUST_LR)
+        if batched:
+            self.muon = BatchedMuon(muon_params, lr=muon_learning_rate,
+                                    weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR,
+                                    ns_steps=ns_steps, ns_coefficients=ns_coefficients)
+        else:  # torch's own, one matrix at a time (the reference bench/speedrun.py times)
+            self.muon = muon_class()(muon_params, lr=muon_learning_rate,
+                                     weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR,
+                                     ns_steps=ns_steps,
+                                     ns_coefficients=NS_COEFFICIENTS[ns_coefficients][1][0])
         super().__init__([*self.adamw.param_groups, *self.muon.param_groups], {})
         self._share()
 
@@ -98,10 +220,16 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: float,
-               weight_decay: float, betas: tuple[float, float],
-               device: torch.device) -> MuonAdamW:
+               weight_decay: float, betas: tuple[float, float], device: torch.device,
+               ns_steps: int = 5, ns_coefficients: str = "jordan",
+               batched: bool = True) -> MuonAdamW:
     """Muon for the 2-D weights inside `model.trf_blocks` (attention and MLP projections);
-    AdamW for the embeddings and head (decayed) and the biases and norm gains (not)."""
+    AdamW for the embeddings and head (decayed) and the biases and norm gains (not).
+    `ns_steps` Newton-Schulz iterations with the NS_COEFFICIENTS set `ns_coefficients`;
+    `batched` False: torch's Muon itself, one matrix at a time (only "jordan")."""
+    if not batched and ns_coefficients != "jordan":
+        raise ValueError("torch's Muon takes one (a, b, c) for every iteration: use "
+                         "ns_coefficients='jordan' with batched=False")
     hidden = [p for p in model.trf_blocks.parameters() if p.requires_grad and p.dim() == 2]
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -109,7 +237,18 @@ def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: fl
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     return MuonAdamW(groups, hidden, learning_rate=learning_rate,
                      muon_learning_rate=muon_learning_rate, weight_decay=weight_decay,
-                     betas=betas, fused=device.type in ("cuda", "cpu"))
+                     betas=betas, fused=device.type in ("cuda", "cpu"), ns_steps=ns_steps,
+                     ns_coefficients=ns_coefficients, batched=batched)
+
+
+def check_muon_settings(ns_steps: int, ns_coefficients: str) -> None:
+    """Raise a ValueError naming the field unless Newton-Schulz can run with these."""
+    if not isinstance(ns_steps, int) or not 1 <= ns_steps <= 20:
+        raise ValueError(f"model.muon_ns_steps={ns_steps!r}: use an integer from 1 to 20 "
+                         "(5 is torch's default)")
+    if ns_coefficients not in NS_COEFFICIENTS:
+        raise ValueError(f"model.muon_ns_coefficients={ns_coefficients!r}: use one of "
+                         f"{', '.join(NS_COEFFICIENTS)}")
 
 
 def check_optimizer(name: str) -> None:
@@ -122,9 +261,11 @@ def check_optimizer(name: str) -> None:
 
 def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
                    muon_learning_rate: float, weight_decay: float, betas: tuple[float, float],
-                   device: torch.device, sharded: bool = False) -> torch.optim.Optimizer:
-    """`adamw` over all of `model`, or `muon_adamw` (`name` one of OPTIMIZERS); `sharded`:
-    the model's parameters are FSDP shards, which Muon cannot orthogonalize."""
+                   device: torch.device, sharded: bool = False, muon_ns_steps: int = 5,
+                   muon_ns_coefficients: str = "jordan") -> torch.optim.Optimizer:
+    """`adamw` over all of `model`, or `muon_adamw` (`name` one of OPTIMIZERS, with
+    `muon_ns_steps` and `muon_ns_coefficients`); `sharded`: the model's parameters are FSDP
+    shards, which Muon cannot orthogonalize."""
     check_optimizer(name)
     if name == "muon" and sharded:
         raise ValueError("model.optimizer=muon orthogonalizes whole matrices and FSDP shards "
@@ -132,7 +273,8 @@ def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
     if name == "muon":
         return muon_adamw(model, learning_rate=learning_rate,
                           muon_learning_rate=muon_learning_rate, weight_decay=weight_decay,
-                          betas=betas, device=device)
+                          betas=betas, device=device, ns_steps=muon_ns_steps,
+                          ns_coefficients=muon_ns_coefficients)
     return adamw(model.parameters(), learning_rate=learning_rate, weight_decay=weight_decay,
                  betas=betas, device=device)
 
@@ -192,6 +334,9 @@ def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, tota
             group.update(lr=base * factor, initial_lr=base)
             if "ns_steps" in group or i == 0:
                 group["weight_decay"] = hp.weight_decay
+            if "ns_steps" in group:  # the Newton-Schulz settings live in Muon's groups
+                group.update(ns_steps=hp.get("muon_ns_steps", 5),
+                             ns_coefficients=hp.get("muon_ns_coefficients", "jordan"))
             if "betas" in group:
                 group["betas"] = (hp.beta1, hp.beta2)
         schedule["base_lrs"] = bases

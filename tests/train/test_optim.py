@@ -13,11 +13,15 @@ from helpers import make_model
 
 from gptmini.train.module import GPTLitModule
 from gptmini.train.optim import (
+    NS_COEFFICIENTS,
+    BatchedMuon,
     MuonAdamW,
     apply_changed_settings,
+    check_muon_settings,
     lr_factor,
     make_optimizer,
     muon_adamw,
+    orthogonalize,
     warmup_cosine,
 )
 
@@ -178,3 +182,92 @@ def test_muon_adamw_is_one_torch_optimizer():
     assert isinstance(optimizer, torch.optim.Optimizer) and isinstance(optimizer, MuonAdamW)
     counted = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     assert counted == sum(p.numel() for p in model.parameters())
+
+
+def test_batched_muon_is_torchs_muon_bit_for_bit():
+    """Stacking same-shape matrices (the tall ones transposed) changes no bit: the default
+    keeps torch's Muon's trajectory, and exact resume with it."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 32), (32, 32), (88, 32), (88, 32), (32, 88), (16, 48)]
+    theirs = [torch.nn.Parameter(0.02 * torch.randn(s, generator=gen)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    settings = dict(lr=2e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    torch_muon, batched = torch.optim.Muon(theirs, **settings), BatchedMuon(ours, **settings)
+    for _ in range(3):
+        for a, b in zip(theirs, ours, strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        torch_muon.step(), batched.step()
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
+    assert batched.state_dict()["param_groups"][0].keys() == \
+        torch_muon.state_dict()["param_groups"][0].keys()
+
+
+@pytest.mark.parametrize(("coefficients", "steps", "band"), [
+    ("jordan", 5, (0.6, 1.25)),  # torch's: S' in about [0.7, 1.2] (Jordan's post: "0.5-1.5")
+    ("polar_express", 5, (0.8, 1.2)),  # the paper's 5-step design: about [0.87, 1.14]
+])
+@pytest.mark.parametrize("shape", [(64, 64), (64, 176), (176, 64)])
+def test_orthogonalized_singular_values_lie_in_the_known_band(coefficients, steps, band, shape):
+    """The singular values of U S' V^T (computed independently, by an SVD in float32) are
+    near 1; the smallest tenth of a Gaussian matrix's are left out: they start near 0,
+    where no 5-step polynomial reaches 1. The singular vectors are the input's."""
+    gen = torch.Generator().manual_seed(1)
+    updates = torch.randn(3, *shape, generator=gen)
+    out = orthogonalize(updates, coefficients, steps).float()
+    values = torch.linalg.svdvals(out)  # (3, short), descending
+    kept = values[:, : int(0.9 * values.shape[-1])]
+    assert band[0] <= kept.min() and values.max() <= band[1]
+    # same singular vectors: U^T out V is diagonal (to bf16's precision)
+    u, _, vh = torch.linalg.svd(updates, full_matrices=False)
+    core = u.mT @ out @ vh.mT  # (3, short, short)
+    off = core - torch.diag_embed(torch.diagonal(core, dim1=-2, dim2=-1))
+    assert off.abs().max() < 0.05
+
+
+def test_polar_express_is_closer_to_orthogonal_than_jordans_in_the_same_steps():
+    updates = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(2))
+    spread = {name: torch.linalg.svdvals(orthogonalize(updates, name, 5).float())[:, :57]
+              for name in NS_COEFFICIENTS}
+    worst = {name: (v - 1).abs().max().item() for name, v in spread.items()}
+    assert worst["polar_express"] < worst["jordan"]
+
+
+def test_muon_takes_its_newton_schulz_settings():
+    model, batches = model_and_batches()
+    optimizer = make_optimizer(model, "muon", **RATES, device=CPU, muon_ns_steps=3,
+                               muon_ns_coefficients="polar_express")
+    assert {(g["ns_steps"], g["ns_coefficients"]) for g in optimizer.muon.param_groups} == \
+        {(3, "polar_express")}
+    backward(model, batches[0])
+    optimizer.step()  # runs
+
+
+@pytest.mark.parametrize(("steps", "coefficients", "message"), [
+    (0, "jordan", r"model.muon_ns_steps=0: use an integer from 1 to 20"),
+    (5, "newton", r"model.muon_ns_coefficients='newton': use one of jordan, polar_express"),
+])
+def test_bad_newton_schulz_settings_name_the_field(steps, coefficients, message):
+    with pytest.raises(ValueError, match=message):
+        check_muon_settings(steps, coefficients)
+
+
+def test_changed_newton_schulz_settings_apply_on_resume():
+    model, batches = model_and_batches()
+    optimizer = muon_adamw(model, **RATES, device=CPU)
+    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1,
+                             asked_warmup=2)
+    backward(model, batches[0]), optimizer.step(), schedule.step()
+    checkpoint = {"hyper_parameters": {"optimizer": "muon", "muon_ns_steps": 5,
+                                       "muon_ns_coefficients": "jordan"},
+                  "optimizer_states": [optimizer.state_dict()],
+                  "lr_schedulers": [schedule.state_dict()]}
+    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=5e-3,
+                 min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, muon_ns_steps=4,
+                 muon_ns_coefficients="polar_express")
+    changed = apply_changed_settings(checkpoint, hp, warmup_steps=2, total_steps=10,
+                                     announce=False)
+    assert changed == ["muon_ns_steps", "muon_ns_coefficients"]
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert (optimizer.muon.param_groups[0]["ns_steps"],
+            optimizer.muon.param_groups[0]["ns_coefficients"]) == (4, "polar_express")
