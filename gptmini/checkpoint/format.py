@@ -27,6 +27,7 @@ import tiktoken
 import torch
 
 from gptmini.convert import is_llama_architecture, load_hf
+from gptmini.finetune.chat import directory_template
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype
 from gptmini.tokenizer import (
@@ -76,7 +77,9 @@ def load_checkpoint(
         map_location: device for the weights and the model.
 
     Returns:
-        (model in eval mode, tokenizer, hyper_parameters dict).
+        (model in eval mode, tokenizer, hyper_parameters dict). A chat fine-tune's
+        template, or a Hugging Face directory's, is `hparams["chat_template"]` (read it
+        with `gptmini.finetune.chat.template_for`).
 
     Raises:
         FileNotFoundError: nothing at `path`.
@@ -117,7 +120,10 @@ def load_checkpoint(
         raise ValueError(f"{path}: {err}") from err
 
     model = _model_holding(cfg, model_state, path)
-    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+    hparams = dict(hparams)
+    if isinstance(ckpt.get("chat_template"), dict):  # a chat fine-tune's (finetune.chat)
+        hparams["chat_template"] = ckpt["chat_template"]
+    return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
 
 def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedModel:
@@ -127,6 +133,9 @@ def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedMo
     tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(model.cfg))
     model.cfg = model.cfg.fit_vocab(tokenizer.n_vocab)  # same weights; padding is named
     hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+    template = directory_template(path, tokenizer)
+    if template is not None:
+        hparams["chat_template"] = template.to_dict()
     return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
 

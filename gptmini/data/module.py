@@ -8,8 +8,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from gptmini.data.chat import Chat, auto_template, chat_datasets, load_template, read_records
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
 from gptmini.data.windows import ResumableSampler, SlidingWindowDataset
+from gptmini.finetune.chat import ChatTemplate
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -36,6 +38,9 @@ class GPTDataModule(L.LightningDataModule):
         windows: the windows cut from the tokens (max_length follows the model's
             context length in train.py).
         loader: batch size, loader workers and the shuffle seed.
+        chat: fine-tuning on instruction or chat records instead of the corpus: rendered
+            by a chat template, the loss on the assistant's tokens only, packed with
+            document masks or padded (see `gptmini.data.chat`).
 
     `hparams` (a checkpoint's ``datamodule_hyper_parameters``) is one flat dict of the three
     parts' fields, as it was before they were grouped; `settings.from_record` reads it back.
@@ -48,10 +53,13 @@ class GPTDataModule(L.LightningDataModule):
         corpus: Corpus = Corpus(),  # noqa: B008
         windows: Windows = Windows(),  # noqa: B008
         loader: Loader = Loader(),  # noqa: B008
+        chat: Chat = Chat(),  # noqa: B008
     ):
         super().__init__()
-        self.corpus, self.windows, self.loader = corpus, windows, loader
-        self.save_hyperparameters(as_record(corpus, windows, loader))
+        self.corpus, self.windows, self.loader, self.chat = corpus, windows, loader, chat
+        self.save_hyperparameters(as_record(corpus, windows, loader, chat))
+        self.chat_template: ChatTemplate | None = None
+        """The template of a fine-tune on records, once set up (checkpoints carry it)."""
         self.train_dataset: SlidingWindowDataset | None = None
         self.val_dataset: SlidingWindowDataset | None = None
         self._train_sampler: ResumableSampler | None = None
@@ -66,7 +74,20 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (Lightning calls this on one process per node)."""
-        self.corpus.tokens(quiet=False)
+        if not self.chat.active:  # records are rendered in setup: a second, no cache
+            self.corpus.tokens(quiet=False)
+
+    def setup_chat(self) -> None:
+        """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
+        enc = get_tokenizer(self.corpus.tokenizer)
+        if self.chat.template == "auto":
+            self.chat_template = auto_template(read_records(self.chat.records))
+        else:
+            self.chat_template = load_template(self.chat.template, enc)
+        self.train_dataset, self.val_dataset, said = chat_datasets(
+            self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)
+        if self.trainer is None or self.trainer.is_global_zero:
+            print(said, flush=True)
 
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the token files and build the window datasets.
@@ -74,6 +95,10 @@ class GPTDataModule(L.LightningDataModule):
         Raises:
             ValueError: the training (or validation) tokens are fewer than max_length + 1.
         """
+        if self.chat.active:
+            if self.train_dataset is None:
+                self.setup_chat()
+            return
         train, val, train_name, val_name = self.corpus.tokens(quiet=True)
         max_length = self.windows.max_length
         for tokens, name, what in ((train, train_name, "training"), (val, val_name, "validation")):
@@ -139,6 +164,7 @@ class GPTDataModule(L.LightningDataModule):
                      drop_last: bool) -> DataLoader:
         return DataLoader(
             dataset,
+            collate_fn=getattr(dataset, "collate", None),  # chat rows pad or stack their own
             batch_size=self.loader.batch_size,
             sampler=sampler,
             drop_last=drop_last,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from gptmini.data.chat import Chat
 from gptmini.data.corpus import CorpusSpec, check_error_handler, resolve_source
 from gptmini.data.tokens import tokenize_corpus
 from gptmini.data.vocab import fit_tokenizer
@@ -158,16 +159,20 @@ class Loader:
             raise ValueError(f"num_workers={self.num_workers} is invalid: use 0 or more")
 
 
-GROUPS = {"corpus": Corpus, "windows": Windows, "loader": Loader}
+GROUPS = {"corpus": Corpus, "windows": Windows, "loader": Loader, "chat": Chat}
 """The data section's parts, by the name each has in a config."""
 
 
-def as_record(corpus: Corpus, windows: Windows, loader: Loader) -> dict[str, Any]:
-    """The three as one flat dict of fields: what a checkpoint records of its data."""
-    return {**asdict(corpus), **asdict(windows), **asdict(loader)}
+def as_record(corpus: Corpus, windows: Windows, loader: Loader,
+              chat: Chat | None = None) -> dict[str, Any]:
+    """The parts as one flat dict of fields: what a checkpoint records of its data (the
+    chat part's only for a fine-tune on records, so a language model's record is as it
+    was)."""
+    record = {**asdict(corpus), **asdict(windows), **asdict(loader)}
+    return {**record, **asdict(chat)} if chat is not None and chat.active else record
 
 
-def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader]:
+def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Chat]:
     """The settings `as_record` wrote (or a checkpoint from before they were grouped, which
     holds the same flat fields); keys starting with "_" (Lightning's own) are skipped.
 
@@ -183,6 +188,8 @@ def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader]:
             raise ValueError(f"data setting {key!r} is unknown; the settings are "
                              f"{', '.join(owner)}")
         parts[owner[key]][key] = value
-    corpus, windows, loader = (cls(**parts[group]) for group, cls in GROUPS.items())
-    return corpus, windows, loader
+    if isinstance(parts["chat"].get("split"), list):  # YAML and JSON have no tuples
+        parts["chat"]["split"] = tuple(parts["chat"]["split"])
+    corpus, windows, loader, chat = (cls(**parts[group]) for group, cls in GROUPS.items())
+    return corpus, windows, loader, chat
 

@@ -11,6 +11,7 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
 import ctypes
 import ctypes.util
 import difflib
+import json
 import logging
 import os
 import signal
@@ -29,9 +30,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from gptmini.checkpoint import check_readable, read_checkpoint, tokenizer_entry
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.chat import is_alpaca, load_template, read_records
 from gptmini.data.vocab import parse_bpe
+from gptmini.finetune.chat import add_template_tokens, directory_template
 from gptmini.runtime import AUTO, auto_precision
-from gptmini.tokenizer import load_tokenizer, save_tokenizer, tokenizer_from_dict
+from gptmini.tokenizer import get_tokenizer, load_tokenizer, save_tokenizer, tokenizer_from_dict
 from gptmini.train.callbacks import (
     AttentionMapCallback,
     RunInterrupted,
@@ -132,6 +135,7 @@ class GPTCLI(LightningCLI):
         resumed = _saved(self.config.ckpt_path, run_dir(self))  # read once, for both
         self._resolve_precision(resumed)
         self._resolve_tokenizer(resumed)
+        self._resolve_chat()
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -183,9 +187,47 @@ class GPTCLI(LightningCLI):
         save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
         model.tokenizer = data.corpus.tokenizer = str(target)
 
+    def _resolve_chat(self) -> None:
+        """--data.chat.records: the template ("auto": the source model's own, else the
+        book's prompt for Alpaca records and gptmini's for chat records), and the tokens it
+        adds to the run's vocabulary (the model grows to fit them when it loads init_from,
+        `gptmini.finetune.chat.grow_vocab`)."""
+        model, data = self.config.model, self.config.data
+        chat = data.chat
+        if not chat.records:
+            return
+        records = read_records(chat.records)  # a missing or broken file fails here, early
+        enc = get_tokenizer(model.tokenizer)
+        if chat.template == "auto":
+            own = source_template(model.init_from, enc, run_dir(self))
+            chat.template = own or ("book" if is_alpaca(records) else "gptmini")
+        grown = add_template_tokens(enc, load_template(chat.template, enc))
+        if grown is not enc:
+            target = run_dir(self) / "tokenizer.json"
+            save_tokenizer(grown, target)
+            model.tokenizer = data.corpus.tokenizer = str(target)
+
     def parse_arguments(self, parser, args):
         check_keys(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+
+
+def source_template(source: str | None, tokenizer, run: Path) -> str | None:
+    """The chat template a fine-tune's source model has, as --data.chat.template names it:
+    a Hugging Face directory with a chat template (the directory), or a chat-tuned gptmini
+    checkpoint (its template, written to the run directory); None: it has none."""
+    if not source:
+        return None
+    path = Path(source)
+    if path.is_dir():
+        return str(path) if directory_template(path, tokenizer) is not None else None
+    entry = _saved(str(path), run).get("chat_template") if path.is_file() else None
+    if not entry:
+        return None
+    target = run / "chat_template.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(entry))
+    return str(target)
 
 
 def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,

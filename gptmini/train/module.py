@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.checkpoint import model_config, write_model_entries
+from gptmini.finetune.chat import grow_vocab
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import peak_flops_of
@@ -123,6 +124,8 @@ class GPTLitModule(L.LightningModule):
         from gptmini.convert import load_hf
 
         pretrained = load_hf(directory)
+        if pretrained.cfg.vocab_size < self.cfg.vocab_size:  # a chat template's new tokens
+            grow_vocab(pretrained, self.cfg.vocab_size)
         theirs, ours = pretrained.cfg.fit_vocab(self.cfg.vocab_size), self.cfg
         shape_fields = ("vocab_size", "padded_vocab_size", "emb_dim", "n_heads", "n_layers",
                         "qkv_bias", "tie_weights", "position", "norm", "mlp", "qk_norm", "bias")
@@ -274,6 +277,9 @@ class GPTLitModule(L.LightningModule):
             )
         # the model and its vocabulary, so the checkpoint is all generate.py needs
         write_model_entries(checkpoint, self.cfg, self.tokenizer, str(self.trainer.precision))
+        data = self.trainer.datamodule
+        if getattr(data, "chat_template", None) is not None:  # what serving renders with
+            checkpoint["chat_template"] = data.chat_template.to_dict()
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes
