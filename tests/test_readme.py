@@ -36,6 +36,9 @@ SKIPPED = {
     "--trainer.fast_dev_run": "fits and tokenizes the default run's corpus (slow here)",
     "--attention_every": "trains the default run (minutes)",
     "serve.py": "started by this test on a free port",
+    "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
+    "--responses": "the book's records need a longer context than the tiny run's 16",
+    "qwen3-0.6b": "needs the Qwen3 download",
 }
 PYTHON_SKIPPED = {"checkpoints/gpt2": "needs the GPT-2 download"}
 
