@@ -318,9 +318,11 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {score.examples:,} examples\n"
                   f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
             return 0
+        hparams = run_data_settings(args.checkpoint)
+        if args.responses is None and args.data is None and hparams.get("records"):
+            args.responses = "auto"  # a run on chat records: its held-out responses
         if args.responses is not None:
             return _print_responses(model, tokenizer, loaded_hparams, args)
-        hparams = run_data_settings(args.checkpoint)
         tokens, name = text_tokens(args.data, tokenizer, hparams, text_field=args.text_field,
                                    cache_dir=hparams.get("cache_dir"))
         score = score_text(model, tokenizer, tokens, batch_size=args.batch_size,

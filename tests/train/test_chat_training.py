@@ -30,7 +30,6 @@ def chat_file(tmp_path):
     return path
 
 
-@pytest.mark.slow
 def test_a_chat_fine_tune_from_gpt2_grows_the_vocabulary_and_carries_its_template(
         tmp_path, corpus, chat_file, capsys):
     torch.manual_seed(0)
@@ -60,7 +59,6 @@ def test_a_chat_fine_tune_from_gpt2_grows_the_vocabulary_and_carries_its_templat
     assert f"4 responses, {tokens} tokens, {4 * len('Romeo.Paris, too.')} bytes" in out
 
 
-@pytest.mark.slow
 def test_the_books_records_train_a_model_from_scratch_with_the_books_prompt(tmp_path, corpus,
                                                                              capsys):
     args = tiny_args(tmp_path, corpus, "--data.chat.records", "book",
@@ -72,9 +70,10 @@ def test_the_books_records_train_a_model_from_scratch_with_the_books_prompt(tmp_
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     _, tokenizer, hparams = load_checkpoint(ckpt)
     assert tokenizer.n_vocab == 50257 and template_for(tokenizer, hparams) == BOOK
-    assert evaluate_main(["--checkpoint", str(ckpt), "--responses", "--limit", "8"]) == 0
-    assert "the test split of book (110 records), template book: 8 responses" in \
-        capsys.readouterr().out
+    for responses in (["--responses"], []):  # a chat run's checkpoint: responses by default
+        assert evaluate_main(["--checkpoint", str(ckpt), *responses, "--limit", "8"]) == 0
+        assert "the test split of book (110 records), template book: 8 responses" in \
+            capsys.readouterr().out
 
 
 def test_a_missing_records_file_is_one_clear_line(tmp_path, corpus, capsys):
