@@ -44,6 +44,9 @@ SKIPPED = {
     "sms_spam": "needs the network (the UCI download) and GPT-2's weights",
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
+    "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
+    "--responses": "the book's records need a longer context than the tiny run's 16",
+    "qwen3-0.6b": "needs the Qwen3 download",
 }
 PYTHON_SKIPPED = {
     "checkpoints/gpt2": "needs the GPT-2 download",

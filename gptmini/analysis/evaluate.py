@@ -5,6 +5,7 @@ multiple-choice tasks in HellaSwag's layout, and a classifier's accuracy and con
     python evaluate.py --checkpoint ... --data notes.txt
     python evaluate.py --checkpoint ... --choices hellaswag_val.jsonl     # or Rowan/hellaswag
     python evaluate.py --checkpoint runs/classify-genres/checkpoints/best.ckpt  # a classifier
+    python evaluate.py --checkpoint ... --responses                       # the book's test split
 
 Text is cut into windows of `context_length` that do not overlap, the last one shorter, so
 every token after the first is predicted exactly once, from the tokens of its window before
@@ -17,6 +18,11 @@ log-likelihood of " " + ending after the context; `acc` takes the ending with th
 sum, `acc_norm` the highest sum divided by the ending's length in characters. The context
 is the record's `ctx` (build-nanogpt's completion style; lm-eval's hellaswag also prefixes
 the activity label and cleans the text).
+
+Responses (a judge-free score of instruction following): each held-out record is rendered
+by the model's chat template (`template_for`: the one it was tuned with, else the book's
+prompt) and only the assistant's tokens are scored, as fine-tuning's loss counts them:
+their mean loss (the stop token included) and bits per byte of the responses' text.
 """
 
 import argparse
@@ -36,9 +42,12 @@ from torch import nn
 
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
+from gptmini.data.chat import read_records as read_chat_records
+from gptmini.data.chat import render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits
+from gptmini.finetune.chat import ChatTemplate, template_for
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -52,6 +61,19 @@ class TextScore:
     tokens: int
     """Tokens predicted (all but the first)."""
     bytes: int
+
+
+@dataclass(frozen=True)
+class ResponseScore:
+    loss: float
+    """Mean nats per response token (stop tokens included)."""
+    bpb: float
+    """Bits per byte of the responses' text."""
+    responses: int
+    tokens: int
+    bytes: int
+    skipped: int
+    """Records longer than the model's context, left out."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +143,53 @@ def _batched(items: Iterable[tuple], size: int):
         group.append(item)
     if group:
         yield tuple(torch.cat(parts) for parts in zip(*group, strict=True))
+
+
+@torch.inference_mode()
+def score_responses(model: nn.Module, tokenizer: Encoding, template: ChatTemplate,
+                    records: list[tuple[str, object]], *, batch_size: int = 8
+                    ) -> ResponseScore:
+    """Loss and bits per byte of the assistant's tokens alone over `records` (pairs of
+    where and record, as `gptmini.data.chat.read_records` gives them)."""
+    device = next(model.parameters()).device
+    length = model.cfg.context_length
+    examples, skipped = render_records(records, tokenizer, template, length, "drop")
+    if not examples:
+        raise ValueError(f"every one of the {len(records)} records is longer than the "
+                         f"model's context ({length} tokens)")
+    byte_lengths = torch.tensor(token_byte_lengths(tokenizer), device=device)
+    nats = text_nats = torch.zeros((), dtype=torch.float64, device=device)
+    count = num_bytes = 0
+    for start in range(0, len(examples), batch_size):
+        part = examples[start:start + batch_size]
+        width = max(len(e.inputs) for e in part)
+        inputs = torch.tensor([e.inputs + [0] * (width - len(e.inputs)) for e in part],
+                              device=device)
+        targets = torch.tensor([e.targets + [-100] * (width - len(e.targets)) for e in part],
+                               device=device)
+        loss = model(inputs, targets=targets, reduction="none").double()  # 0 at -100
+        counted = targets != -100
+        text = byte_lengths[targets.clamp(min=0)] * counted
+        nats = nats + loss.sum()
+        text_nats = text_nats + (loss * (text > 0)).sum()
+        count += int(counted.sum())
+        num_bytes += int(text.sum())
+    return ResponseScore(float(nats) / count, float(text_nats) / max(num_bytes, 1) / math.log(2),
+                         len(examples), count, num_bytes, skipped)
+
+
+def held_out_records(source: str, hparams: dict) -> tuple[list[tuple[str, object]], str]:
+    """The records --responses scores: "auto" takes the test share of the run's chat
+    records (the book's 1,100 for a run without them); a file is scored whole."""
+    if source != "auto":
+        return read_chat_records(source), source
+    records_source = hparams.get("records") or "book"
+    split = tuple(hparams.get("split") or (0.85, 0.05, 0.10))
+    test = split_records(read_chat_records(records_source), split)[2]
+    if not test:
+        raise ValueError(f"the run's split {list(split)} keeps no test records; pass "
+                         "--responses FILE")
+    return test, f"the test split of {records_source} ({len(test)} records)"
 
 
 @torch.inference_mode()
@@ -409,6 +478,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--choices", default=None,
                         help="a .jsonl of HellaSwag-style records (ctx, endings, label) or a "
                              "hub dataset such as Rowan/hellaswag")
+    parser.add_argument("--responses", nargs="?", const="auto", default=None,
+                        help="score the assistant's responses alone (loss, bits per byte): "
+                             "with no value the test split of the run's chat records (the "
+                             "book's 10%% for other checkpoints), or a .jsonl/.json file of "
+                             "chat or Alpaca records")
     parser.add_argument("--split", default="validation", help="the hub dataset's split")
     parser.add_argument("--limit", type=int, default=None, help="score the first N examples")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -422,21 +496,25 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
             raise ValueError("--batch_size and --limit must be 1 or more")
-        model, tokenizer, saved = load_checkpoint(args.checkpoint, torch.device(args.device))
-        if saved.get("classes"):
+        model, tokenizer, loaded_hparams = load_checkpoint(args.checkpoint,
+                                                           torch.device(args.device))
+        if loaded_hparams.get("classes"):
             records, name = labelled_records(args.data, run_data_settings(args.checkpoint),
                                              args.text_field, args.label_field)
-            scored = score_classes(model, tokenizer, records, saved["classes"],
+            scored = score_classes(model, tokenizer, records, loaded_hparams["classes"],
                                    batch_size=args.batch_size)
-            print(f"{name}: {len(records):,} examples\naccuracy {scored.accuracy:.4f}\n"
-                  f"{scored.table()}")
-            return 0
+            return say(f"{name}: {len(records):,} examples\naccuracy {scored.accuracy:.4f}\n"
+                       f"{scored.table()}")
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))
             return say(f"{name}: {score.examples:,} examples\n"
                        f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
         hparams = run_data_settings(args.checkpoint)
+        if args.responses is None and args.data is None and hparams.get("records"):
+            args.responses = "auto"  # a run on chat records: its held-out responses
+        if args.responses is not None:
+            return _print_responses(model, tokenizer, loaded_hparams, args)
         tokens, name = text_tokens(args.data, tokenizer, hparams, text_field=args.text_field,
                                    encoding_errors=args.encoding_errors,
                                    cache_dir=args.cache_dir or hparams.get("cache_dir"))
@@ -468,6 +546,20 @@ def say(text: str) -> int:
               "it was computed but not shown: free space or redirect stdout elsewhere",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _print_responses(model: nn.Module, tokenizer: Encoding, hparams: dict,
+                     args: argparse.Namespace) -> int:
+    template = template_for(tokenizer, hparams)
+    records, name = held_out_records(args.responses, run_data_settings(args.checkpoint))
+    score = score_responses(model, tokenizer, template, records[:args.limit],
+                            batch_size=args.batch_size)
+    skipped = (f", {score.skipped:,} longer than the context left out" if score.skipped
+               else "")
+    print(f"{name}, template {template.name}: {score.responses:,} responses, "
+          f"{score.tokens:,} tokens, {score.bytes:,} bytes{skipped}\n"
+          f"response loss {score.loss:.4f}  bits per byte {score.bpb:.4f}")
     return 0
 
 

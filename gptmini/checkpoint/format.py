@@ -33,6 +33,7 @@ from gptmini.convert import (
     read_json_object,
 )
 from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
+from gptmini.finetune.chat import directory_template
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype, resolve_device
 from gptmini.tokenizer import (
@@ -93,7 +94,9 @@ def load_checkpoint(
         base: for a LoRA checkpoint, where its base is now, if it moved.
 
     Returns:
-        (model in eval mode, tokenizer, hyper_parameters dict).
+        (model in eval mode, tokenizer, hyper_parameters dict). A chat fine-tune's
+        template, or a Hugging Face directory's, is `hparams["chat_template"]` (read it
+        with `gptmini.finetune.chat.template_for`).
 
     Raises:
         FileNotFoundError: nothing at `path`.
@@ -142,7 +145,10 @@ def load_checkpoint(
         model = _adapted_model(cfg, model_state, ckpt["lora"], classes, path, base)
     else:
         model = _model_holding(cfg, model_state, path, classes)
-    return LoadedModel(model.to(map_location).eval(), tokenizer, dict(hparams))
+    hparams = dict(hparams)
+    if isinstance(ckpt.get("chat_template"), dict):  # a chat fine-tune's (finetune.chat)
+        hparams["chat_template"] = ckpt["chat_template"]
+    return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
 
 def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] | None,
@@ -225,6 +231,9 @@ def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedMo
     except ValueError as err:
         raise ValueError(f"{path / 'tokenizer.json'} is not this model's: {err}") from None
     hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+    template = directory_template(path, tokenizer)
+    if template is not None:
+        hparams["chat_template"] = template.to_dict()
     return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
 
 

@@ -9,9 +9,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from gptmini.data.chat import Chat, auto_template, chat_datasets, load_template, read_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
-from gptmini.data.windows import ResumableSampler, SlidingWindowDataset
+from gptmini.data.windows import ResumableSampler
+from gptmini.finetune.chat import ChatTemplate
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -40,6 +42,9 @@ class GPTDataModule(L.LightningDataModule):
         loader: batch size, loader workers and the shuffle seed.
         labels: classification instead of language modelling: labelled records become
             (ids, attention mask, label) batches, right-padded with <|endoftext|>.
+        chat: fine-tuning on instruction or chat records instead of the corpus: rendered
+            by a chat template, the loss on the assistant's tokens only, packed with
+            document masks or padded (see `gptmini.data.chat`).
 
     `hparams` (a checkpoint's ``datamodule_hyper_parameters``) is one flat dict of the three
     parts' fields, as it was before they were grouped; `settings.from_record` reads it back.
@@ -53,12 +58,19 @@ class GPTDataModule(L.LightningDataModule):
         windows: Windows = Windows(),  # noqa: B008
         loader: Loader = Loader(),  # noqa: B008
         labels: Labels = Labels(),  # noqa: B008
+        chat: Chat = Chat(),  # noqa: B008
     ):
         super().__init__()
-        self.corpus, self.windows, self.loader, self.labels = corpus, windows, loader, labels
-        self.save_hyperparameters(as_record(corpus, windows, loader, labels))
-        self.train_dataset: SlidingWindowDataset | LabeledDataset | None = None
-        self.val_dataset: SlidingWindowDataset | LabeledDataset | None = None
+        self.corpus, self.windows, self.loader = corpus, windows, loader
+        self.labels, self.chat = labels, chat
+        if labels.active and chat.active:
+            raise ValueError("--data.labels and --data.chat are two kinds of fine-tune: set "
+                             "one (labels classify records; chat tunes on conversations)")
+        self.save_hyperparameters(as_record(corpus, windows, loader, labels, chat))
+        self.chat_template: ChatTemplate | None = None
+        """The template of a fine-tune on records, once set up (checkpoints carry it)."""
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
         self._train_sampler: ResumableSampler | None = None
         self._resume: dict[str, int] | None = None
         self._consumed: tuple[int, int] = (0, 0)  # (epoch, training batches taken in it)
@@ -71,7 +83,7 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (Lightning calls this on one process per node)."""
-        if not self.labels.active:
+        if not (self.labels.active or self.chat.active):  # records are read in setup
             self.corpus.tokens(quiet=False)
 
     def labelled_splits(self) -> tuple[LabeledRecords, LabeledRecords]:
@@ -93,6 +105,18 @@ class GPTDataModule(L.LightningDataModule):
         self.val_dataset = LabeledDataset(val, enc, classes, self.windows.max_length,
                                           f"the validation records of {source}")
 
+    def setup_chat(self) -> None:
+        """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
+        enc = get_tokenizer(self.corpus.tokenizer)
+        if self.chat.template == "auto":
+            self.chat_template = auto_template(read_records(self.chat.records))
+        else:
+            self.chat_template = load_template(self.chat.template, enc)
+        self.train_dataset, self.val_dataset, said = chat_datasets(
+            self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)
+        if self.trainer is None or self.trainer.is_global_zero:
+            print(said, flush=True)
+
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the token files and build the window datasets.
 
@@ -101,6 +125,10 @@ class GPTDataModule(L.LightningDataModule):
         """
         if self.labels.active:
             self.setup_labelled(self.labels.classes or self.class_names())
+            return
+        if self.chat.active:
+            if self.train_dataset is None:
+                self.setup_chat()
             return
         train, val, train_name, val_name = self.corpus.tokens(quiet=True)
         max_length = self.windows.max_length
@@ -170,7 +198,7 @@ class GPTDataModule(L.LightningDataModule):
             collate = partial(pad_batch, pad_id=get_tokenizer(self.corpus.tokenizer).eot_token)
         return DataLoader(
             dataset,
-            collate_fn=collate,
+            collate_fn=collate or getattr(dataset, "collate", None),  # chat rows pad their own
             batch_size=self.loader.batch_size,
             sampler=sampler,
             drop_last=drop_last,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from gptmini.data.chat import Chat
 from gptmini.data.corpus import CorpusSpec, check_error_handler, resolve_source
 from gptmini.data.labels import Labels
 from gptmini.data.tokens import tokenize_corpus
@@ -159,19 +160,24 @@ class Loader:
             raise ValueError(f"num_workers={self.num_workers} is invalid: use 0 or more")
 
 
-GROUPS = {"corpus": Corpus, "windows": Windows, "loader": Loader, "labels": Labels}
+GROUPS = {"corpus": Corpus, "windows": Windows, "loader": Loader, "labels": Labels,
+          "chat": Chat}
 """The data section's parts, by the name each has in a config."""
 
 
 def as_record(corpus: Corpus, windows: Windows, loader: Loader,
-              labels: Labels | None = None) -> dict[str, Any]:
+              labels: Labels | None = None, chat: Chat | None = None) -> dict[str, Any]:
     """The parts as one flat dict of fields: what a checkpoint records of its data (the
-    labels' only for a classification run, so a language model's record is as it was)."""
+    labels' only for a classification run, the chat part's only for a fine-tune on
+    records, so a language model's record is as it was)."""
     record = {**asdict(corpus), **asdict(windows), **asdict(loader)}
-    return {**record, **asdict(labels)} if labels is not None and labels.active else record
+    for part in (labels, chat):
+        if part is not None and part.active:
+            record |= asdict(part)
+    return record
 
 
-def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Labels]:
+def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Labels, Chat]:
     """The settings `as_record` wrote (or a checkpoint from before they were grouped, which
     holds the same flat fields); keys starting with "_" (Lightning's own) are skipped.
 
@@ -187,6 +193,8 @@ def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Labels
             raise ValueError(f"data setting {key!r} is unknown; the settings are "
                              f"{', '.join(owner)}")
         parts[owner[key]][key] = value
-    corpus, windows, loader, labels = (cls(**parts[group]) for group, cls in GROUPS.items())
-    return corpus, windows, loader, labels
+    if isinstance(parts["chat"].get("split"), list):  # YAML and JSON have no tuples
+        parts["chat"]["split"] = tuple(parts["chat"]["split"])
+    corpus, windows, loader, labels, chat = (cls(**parts[g]) for g, cls in GROUPS.items())
+    return corpus, windows, loader, labels, chat
 

@@ -11,6 +11,7 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
 import ctypes
 import ctypes.util
 import difflib
+import json
 import logging
 import os
 import signal
@@ -39,8 +40,10 @@ from gptmini.checkpoint import (
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.convert import check_finite
 from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.chat import is_alpaca, load_template, read_records
 from gptmini.data.labels import Labels
 from gptmini.data.vocab import parse_bpe
+from gptmini.finetune.chat import add_template_tokens, directory_template
 from gptmini.model import is_finite_number
 from gptmini.runtime import AUTO, auto_precision
 from gptmini.tokenizer import (
@@ -152,6 +155,7 @@ class GPTCLI(LightningCLI):
         self._resolve_init_from(resumed)
         self._resolve_tokenizer(resumed)
         self._resolve_classes()
+        self._resolve_chat()
         accelerator = str(self.config.trainer.accelerator)
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
@@ -273,6 +277,26 @@ class GPTCLI(LightningCLI):
         now = self.config[section].as_dict()
         return given | {k for k, v in now.items() if k in defaults and v != defaults[k]}
 
+    def _resolve_chat(self) -> None:
+        """--data.chat.records: the template ("auto": the source model's own, else the
+        book's prompt for Alpaca records and gptmini's for chat records), and the tokens it
+        adds to the run's vocabulary (the model grows to fit them when it loads init_from,
+        `gptmini.finetune.chat.grow_vocab`)."""
+        model, data = self.config.model, self.config.data
+        chat = data.chat
+        if not chat.records:
+            return
+        records = read_records(chat.records)  # a missing or broken file fails here, early
+        enc = get_tokenizer(model.tokenizer)
+        if chat.template == "auto":
+            own = source_template(model.init_from, enc, run_dir(self))
+            chat.template = own or ("book" if is_alpaca(records) else "gptmini")
+        grown = add_template_tokens(enc, load_template(chat.template, enc))
+        if grown is not enc:
+            target = run_dir(self) / "tokenizer.json"
+            save_tokenizer(grown, target)
+            model.tokenizer = data.corpus.tokenizer = str(target)
+
     def parse_arguments(self, parser, args):
         self._args = sys.argv[1:] if args is None else list(args)
         check_keys(parser, self._args)
@@ -282,6 +306,24 @@ class GPTCLI(LightningCLI):
             # Lightning seeds numpy too, whose seeds are 32 bits; its error names no flag.
             raise ValueError(f"--seed_everything {seed} is out of range: use an integer from "
                              f"0 to {2**32 - 1} (or true for a random one)")
+
+
+def source_template(source: str | None, tokenizer, run: Path) -> str | None:
+    """The chat template a fine-tune's source model has, as --data.chat.template names it:
+    a Hugging Face directory with a chat template (the directory), or a chat-tuned gptmini
+    checkpoint (its template, written to the run directory); None: it has none."""
+    if not source:
+        return None
+    path = Path(source)
+    if path.is_dir():
+        return str(path) if directory_template(path, tokenizer) is not None else None
+    entry = _saved(str(path), run).get("chat_template") if path.is_file() else None
+    if not entry:
+        return None
+    target = run / "chat_template.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(entry))
+    return str(target)
 
 
 def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,

@@ -20,6 +20,7 @@ from gptmini.finetune import (
     class_logits,
     count_parameters,
 )
+from gptmini.finetune.chat import grow_vocab
 from gptmini.model import ConfigError, GPTConfig, GPTModel, is_finite_number
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import peak_flops_of
@@ -188,6 +189,16 @@ class GPTLitModule(L.LightningModule):
         from gptmini.checkpoint import load_checkpoint
 
         pretrained = load_checkpoint(source).model
+        # What a LoRA checkpoint will find on disk, before a chat template grows it.
+        self.base_fingerprint = base_fingerprint(pretrained.state_dict())
+        if pretrained.cfg.vocab_size < self.cfg.vocab_size:  # a chat template's new tokens
+            if self.hparams.lora_rank:
+                raise ValueError(
+                    f"model.init_from={source}: the chat template adds tokens to its "
+                    "vocabulary, whose new embedding rows LoRA would never train: use "
+                    "--data.chat.template book (it adds none), or fine-tune fully (no "
+                    "--model.lora_rank)")
+            grow_vocab(pretrained, self.cfg.vocab_size)
         theirs, ours = pretrained.cfg, self.cfg
         differ = architecture_differences(theirs, ours)
         if differ:
@@ -197,7 +208,6 @@ class GPTLitModule(L.LightningModule):
                 f"({', '.join(f'{f}={getattr(theirs, f)!r}' for f in differ)}); set {wanted}"
             )
         state = pretrained.state_dict()
-        self.base_fingerprint = base_fingerprint(state)
         if "pos_emb.weight" in state:
             state["pos_emb.weight"] = state["pos_emb.weight"][: ours.context_length]
         fresh = set(adapter_state(self.model.state_dict()))
@@ -367,6 +377,9 @@ class GPTLitModule(L.LightningModule):
         write_model_entries(checkpoint, self.cfg, self.tokenizer, str(self.trainer.precision))
         if self.hparams.lora_rank:
             self._keep_adapters_only(checkpoint)
+        data = self.trainer.datamodule
+        if getattr(data, "chat_template", None) is not None:  # what serving renders with
+            checkpoint["chat_template"] = data.chat_template.to_dict()
         states = rng_states()
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             per_rank = [None] * self.trainer.world_size  # every rank saves; rank 0 writes

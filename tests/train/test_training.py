@@ -14,6 +14,7 @@ from lightning.pytorch import Callback
 
 import gptmini
 from gptmini.data import Corpus, GPTDataModule, Loader, Windows
+from gptmini.data.chat import Chat
 from gptmini.model import GPTConfig
 from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit, main
 from gptmini.train.module import GPTLitModule
@@ -209,9 +210,10 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
         model["tokenizer"] = "byte"
     with torch.device("meta"):
         GPTLitModule(**model)
+    chat = {**data["chat"], "split": tuple(data["chat"]["split"])}
     GPTDataModule(Corpus(**data["corpus"], tokenizer=model["tokenizer"]),
                   Windows(**data["windows"], max_length=model["context_length"]),
-                  Loader(**data["loader"]))
+                  Loader(**data["loader"]), Chat(**chat))
 
 
 def print_config(capsys, *args: str) -> dict:
