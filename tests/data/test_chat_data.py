@@ -119,7 +119,7 @@ def test_the_datamodule_trains_on_chat_records_with_the_auto_template(tmp_path):
                               for _ in range(40)) + "\n")
     for packing in (True, False):
         dm = GPTDataModule(Corpus(tokenizer="gpt2"), Windows(max_length=64), Loader(batch_size=4),
-                           Chat(records=str(path), template="book", packing=packing))
+                           chat=Chat(records=str(path), template="book", packing=packing))
         dm.setup("fit")
         assert dm.chat_template is BOOK
         batch = next(iter(dm.train_dataloader()))
