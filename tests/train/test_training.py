@@ -463,9 +463,19 @@ def test_bf16_mixed_on_cpu_trains_saves_and_generates_like_fp32(tmp_path, corpus
     assert capsys.readouterr().out.startswith("Romeo said")
     model, tok, _ = load_checkpoint(last)
     prompt = torch.tensor([tok.encode("Juliet said hello to the")])
-    fp32 = generate(model, prompt, 20)
-    bf16 = generate(model.to(torch.bfloat16), prompt, 20)
-    assert torch.equal(fp32, bf16), (tok.decode(fp32[0].tolist()), tok.decode(bf16[0].tolist()))
+    text = generate(model, prompt, 20)[:, -16:]  # fp32's greedy text; both models read it
+    with torch.no_grad():
+        fp32 = model(text).float()
+        bf16 = model.to(torch.bfloat16)(text).float()
+    # Not token-for-token equality: where two logits nearly tie, bf16's rounding (8-bit
+    # mantissas, done in other ways by CPUs with and without bf16 units) may flip the pick.
+    # bf16 must agree with fp32 within its own precision, and pick fp32's token wherever
+    # fp32's top choice leads by more than that error.
+    error = (bf16 - fp32).abs().amax(-1)
+    assert error.max() < 0.05 * fp32.abs().amax(), error.max()
+    top2 = fp32.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * error
+    assert clear.any() and torch.equal(bf16.argmax(-1)[clear], fp32.argmax(-1)[clear])
 
 
 @pytest.mark.slow
