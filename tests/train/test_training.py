@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -264,11 +265,21 @@ def test_the_module_declares_no_model_field_of_its_own():
     [("--model.n_layer", "--model.n_layers"),
      # the data settings before they were grouped (corpus, windows, loader)
      ("--data.source", "--data.corpus.source"), ("--data.stride", "--data.windows.stride"),
-     ("--data.batch_size", "--data.loader.batch_size")],
+     ("--data.batch_size", "--data.loader.batch_size"),
+     # Lightning's own optimizer and schedule replaced ours silently: there are none now
+     ("--optimizer", "--model.optimizer")],
 )
 def test_unknown_option_names_the_key_and_suggests_the_close_one(old, new):
     with pytest.raises(SystemExit, match=rf"unknown option {old}; did you mean {new}\?"):
         build_cli([old, "2"])
+
+
+def test_no_option_of_lightnings_replaces_the_optimizer_or_its_schedule():
+    """Before: `--optimizer SGD` replaced Muon/AdamW and the warmup-cosine schedule, and
+    `--optimizer.lr 0.1` was an unknown option."""
+    for option in ("--optimizer.lr", "--lr_scheduler", "--lr_scheduler.class_path"):
+        with pytest.raises(SystemExit, match=rf"unknown option {re.escape(option)}"):
+            build_cli([option, "0.1"])
 
 
 @pytest.mark.parametrize(
@@ -597,3 +608,19 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
                            "checkpoints" / "last.ckpt"), "--prompt", "ROMEO:", "--out",
                            str(png)]) == 0
     assert png.stat().st_size > 0
+
+
+def test_the_model_summary_of_a_bf16_run_says_nothing_a_user_cannot_act_on(
+        tmp_path, corpus, capsys, caplog, recwarn):
+    """Before: every default run printed "Precision bf16-mixed is not supported by the model
+    summary" (its weights are float32: the size was right) and "Total FLOPs: 0"."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    args = tiny_args(tmp_path, corpus, "--trainer.precision", "bf16-mixed",
+                     "--trainer.enable_model_summary", "true", "--trainer.max_steps", "1")
+    assert main(args) == 0
+    printed = capsys.readouterr().out + caplog.text
+    assert "GPTModel" in printed and "1,641,216 parameters" in printed  # the summary is there
+    assert "flops" not in printed.lower()
+    assert not [w for w in recwarn if "model summary" in str(w.message)]
