@@ -164,15 +164,12 @@ class GPTCLI(LightningCLI):
         """A run given another corpus on the command line (--data.corpus.source) and no
         --run_name is named after that corpus ("notes" for notes.txt): before, it kept its
         config's name (shakespeare-cpu), whose checkpoints then refused it."""
-        given = [a.split("=", 1)[0] for a in self._command_line]
+        given = [a.split("=", 1)[0] for a in getattr(self, "_command_line", [])]
         if "--run_name" in given or "--data.corpus.source" not in given:
             return
-        if self.config.data.corpus.source is None:
-            return  # the embedded corpus: the config's own name
-        try:
-            name = Corpus(**self.config.data.corpus.as_dict()).resolve().name
-        except (ValueError, OSError):
-            return  # the data module names what is wrong with the corpus
+        name = corpus_name(self.config)
+        if name is None:
+            return  # the embedded corpus keeps the config's name; a bad one errors later
         self.config.run_name = name
         if rank_zero_only.rank == 0:
             print(f"run name: {name} (after the corpus; --run_name names it otherwise)",
@@ -371,6 +368,18 @@ def _fit(cli: GPTCLI):
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
 
 
+def corpus_name(config) -> str | None:
+    """The short name of the run's corpus ("notes" for notes.txt, "fineweb-edu" for a hub
+    dataset); None for the embedded corpus, or one that does not resolve (the data module
+    then says what is wrong with it)."""
+    if config.data.corpus.source is None:
+        return None
+    try:
+        return Corpus(**config.data.corpus.as_dict()).resolve().name
+    except (ValueError, OSError):
+        return None
+
+
 def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
     """Why a new run may not start where checkpoints are, with the fix that fits: the same
     corpus is resumed; another corpus gets a name of its own."""
@@ -387,7 +396,7 @@ def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
         same = "" if trained_on is ... else "; it trained on this corpus"
         return (f"{head}{same}. Resume it with --ckpt_path last, or start fresh under "
                 "another --run_name")
-    name = Path(str(source)).stem if source is not None else "shakespeare"
+    name = corpus_name(config) or "shakespeare"
     if name == config.run_name:
         name += "-2"
 
