@@ -45,19 +45,16 @@ def test_a_finished_run_prints_its_report_and_saves_it_with_the_curves(tmp_path,
     assert "(after step 25; 4 batches" in report  # validated at 10, 20 and the last step
     assert png_size(Path(run / "curves.png")) == (800, 800)
     assert "evaluate.py --checkpoint" in report
-    # the next generate.py is shown with the corpus's own words, not Shakespeare's "ROMEO:"
-    prompt = report.split("--prompt '")[1].split("' --stream")[0]
-    assert prompt != "ROMEO:" and prompt in corpus.read_text()
-
-
-def test_a_run_ends_with_its_final_weights_validated(tmp_path, corpus):
-    """Before: a run of 1,150 steps validating every 200 never scored its last 150 steps;
-    its report, best.ckpt and the page stopped at step 1,000, and the curves said 999."""
-    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "25")) == 0
-    run = tmp_path / "runs" / "tiny"
+    # The run ends with its final weights validated. Before: a run of 1,150 steps validating
+    # every 200 never scored its last 150 steps; its report, best.ckpt and the page stopped
+    # at step 1,000, and the curves said 999.
     steps, losses = load_metrics(run)[0]["val/loss"]
     assert steps == [10, 20, 25]  # steps taken, as the report and the checkpoints count
     last, best = (torch.load(run / "checkpoints" / f"{n}.ckpt", weights_only=False)
                   for n in ("last", "best"))
     assert last["global_step"] == 25
     assert best["global_step"] == steps[losses.index(min(losses))]
+    # the next generate.py is shown with the corpus's own words, not Shakespeare's "ROMEO:"
+    prompt = report.split("--prompt '")[1].split("' --stream")[0]
+    assert prompt != "ROMEO:" and prompt in corpus.read_text()
+

@@ -610,6 +610,7 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     assert png.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_model_summary_of_a_bf16_run_says_nothing_a_user_cannot_act_on(
         tmp_path, corpus, capsys, caplog, recwarn):
     """Before: every default run printed "Precision bf16-mixed is not supported by the model
