@@ -89,10 +89,12 @@ def auto_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, cuda:1, mps, ... (default: %(default)s)")
     parser.add_argument("--dtype", default=AUTO,
                         choices=[AUTO, "float32", "bfloat16", "float64"],
-                        help="compute in; auto = bfloat16 where the device has bf16 units")
+                        help="compute in; auto = bfloat16 where the device has bf16 units "
+                             "(default: %(default)s)")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -76,15 +76,17 @@ def _seed():
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
-    """A run stopped after step 30, resumed from its step-20 checkpoint, up to step 50."""
+    """A run stopped after step 30, resumed from its step-20 checkpoint, up to step 50.
+
+    Validations are written as Lightning writes them: the one after step 40 on row 39."""
     run = tmp_path / "runs" / "demo"
     first, second = [], []
     for step in range(10, 31, 10):
         first.append({"epoch": 0, "step": step, "train/loss": 9 - step / 10, "train/lr": 1e-3})
-    first.append({"epoch": 0, "step": 20, "val/loss": 8.5, "val/ppl": 4914.8})
+    first.append({"epoch": 0, "step": 29, "val/loss": 8.5, "val/ppl": 4914.8})
     for step in range(20, 51, 10):  # steps 20 and 30 run again after the resume
         second.append({"epoch": 0, "step": step, "train/loss": 5 - step / 100, "train/lr": 5e-4})
-    second.append({"epoch": 1, "step": 40, "val/loss": 4.0, "val/ppl": 54.6})
+    second.append({"epoch": 1, "step": 39, "val/loss": 4.0, "val/ppl": 54.6})
     write_metrics(run / "logs" / "version_0" / "metrics.csv", first)
     write_metrics(run / "logs" / "version_1" / "metrics.csv", second)
     return run

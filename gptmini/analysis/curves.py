@@ -31,7 +31,8 @@ def _metric_files(run_dir: Path) -> list[Path]:
 
 
 def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[float]]], list[int]]:
-    """Every metric a run logged, as (steps, values) in step order.
+    """Every metric a run logged, as (steps, values) in step order; a step is the number
+    of optimizer steps the weights had taken (a validation after step 1,000 is at 1,000).
 
     Each invocation of train.py (a resume too) writes its own `logs/version_N/metrics.csv`.
     A later version replaces whatever earlier ones logged from its first step on: those
@@ -65,8 +66,13 @@ def load_metrics(run_dir: str | Path) -> tuple[dict[str, tuple[list[int], list[f
         for step, cells in rows:
             for name, value in cells.items():
                 merged.setdefault(name, {})[step] = value
+    # Lightning writes a validation on the row of the step before it (0-based: the one after
+    # step 1,000 on row 999), a training loss on the row of the steps its weights had taken.
+    # Moved by one, every metric's step is the number of optimizer steps taken, as the
+    # report, the curves and the page say it.
     metrics = {
-        name: (sorted(v), [v[s] for s in sorted(v)]) for name, v in merged.items() if v
+        name: ([s + name.startswith("val/") for s in sorted(v)], [v[s] for s in sorted(v)])
+        for name, v in merged.items() if v
     }
     return metrics, resumes
 

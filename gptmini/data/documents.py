@@ -146,15 +146,32 @@ def _read_files(builder: str, files: list[str], spec: CorpusSpec, hf_cache: str)
         )
 
     try:
-        return load(files)
+        with _no_reading_bars():
+            return load(files)
     except Exception as err:
         if builder != "json" or len(files) == 1 or not _schema_differs(err):
             raise
         # datasets reads every json file with the first one's fields; files whose fields
         # differ are read one at a time, keeping only the text field.
-        return datasets.concatenate_datasets(
-            [_select_text(load([f]), spec.text_field, f, rename=False) for f in files]
-        )
+        with _no_reading_bars():
+            return datasets.concatenate_datasets(
+                [_select_text(load([f]), spec.text_field, f, rename=False) for f in files])
+
+
+@contextmanager
+def _no_reading_bars() -> Iterator[None]:
+    """datasets draws "Downloading data: 42/42" and "Generating train split" for local
+    files: nothing is downloaded, and tokenizing draws its own bar, so those two stay
+    hidden (the bars' setting is put back after)."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _decoded_text_files(files: list[str], errors: str, spec: CorpusSpec, cache_dir: str):

@@ -151,6 +151,28 @@ class GPTDataModule(L.LightningDataModule):
             self.windows.over(val, validation=True, document_token=eot) if len(val) else None
         )
 
+    def sample_prompt(self, num_tokens: int, shakespeare: str) -> str:
+        """A prompt in this corpus's own words, for the samples and attention maps of a run.
+
+        `shakespeare` on the embedded corpus; elsewhere the first `num_tokens` tokens of
+        the first validation document (of the training split when there is none), up to the
+        end of its first line when that line has a few characters. Before, every corpus got
+        "ROMEO:", which a model trained on code may answer with nothing. Call after `setup`.
+        """
+        if self.corpus.source is None:
+            return shakespeare
+        dataset = self.val_dataset or self.train_dataset
+        if dataset is None or len(dataset) == 0:
+            return shakespeare
+        tokenizer = get_tokenizer(self.corpus.tokenizer)
+        ids = dataset[0][0][:num_tokens].tolist()
+        if tokenizer.eot_token in ids:  # a short first document: its own words only
+            ids = ids[:ids.index(tokenizer.eot_token)]
+        text = tokenizer.decode(ids)
+        line = text.split("\n", 1)[0].rstrip()
+        text = line if len(line.strip()) >= 3 else text.rstrip()
+        return text if text.strip() else shakespeare
+
     # -- loaders
 
     def _rank_and_world(self) -> tuple[int, int]:

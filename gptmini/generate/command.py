@@ -3,6 +3,7 @@ engine, or a conversation in the terminal (`--chat`) (argparse main)."""
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -43,13 +44,21 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, default=None,
                         help="with --batch_file: write the results here (default: stdout)")
     parser.add_argument("--max_batch", type=int, default=32,
-                        help="with --batch_file: most requests decoded at once")
-    parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=200, help="0 or less = off")
-    parser.add_argument("--top_p", type=float, default=None, help="nucleus threshold in (0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="fix the random draws")
-    parser.add_argument("--num_samples", type=int, default=1)
+                        help="with --batch_file: most requests decoded at once "
+                             "(default: %(default)s)")
+    parser.add_argument("--max_new_tokens", type=int, default=200,
+                        help="most tokens to add to each prompt (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="0 = greedy (default: %(default)s)")
+    parser.add_argument("--top_k", type=int, default=200,
+                        help="0 or less = off (default: %(default)s)")
+    parser.add_argument("--top_p", type=float, default=None,
+                        help="nucleus threshold in (0, 1] (default: off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="fix the random draws (default: new draws every run)")
+    parser.add_argument("--num_samples", type=int, default=1,
+                        help="continuations of the prompt, drawn one after another "
+                             "(default: %(default)s)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they come")
     add_device_options(parser)
     return parser
@@ -103,14 +112,15 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     generator = None
     if args.seed is not None:
         generator = seeded_generator(args.seed, device)  # every bit of the seed counts
-    out = sys.stdout
+    out, drawn = sys.stdout, []
+    start = time.perf_counter()
     for i in range(args.num_samples):
         if args.num_samples > 1:
             out.write(f"--- sample {i + 1}/{args.num_samples} ---\n")
         out.write(prompt)
         out.flush()
         pieces = stream_text(model, tokenizer, prompt, args.max_new_tokens, sampling=sampling,
-                             generator=generator)
+                             generator=generator, on_token=drawn.append)
         if args.stream:
             for piece in pieces:
                 out.write(piece)
@@ -119,6 +129,11 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             out.write("".join(pieces))
         out.write("\n")
         out.flush()
+    seconds = time.perf_counter() - start
+    # to stderr: stdout is the text alone, for a pipe or a file
+    print(f"generate.py: {len(drawn):,} tokens in {seconds:.2f} s "
+          f"({len(drawn) / max(seconds, 1e-9):,.1f} tokens/s, model load not counted)",
+          file=sys.stderr, flush=True)
     return 0
 
 

@@ -23,7 +23,7 @@ Beyond the book's arguments, the sampling settings come as one `SamplingParams`
 """
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -360,6 +360,7 @@ def stream_text(
     generator: torch.Generator | None = None,
     stop_at_eos: bool = True,
     use_cache: bool = True,
+    on_token: Callable[[int], None] | None = None,
 ) -> Iterator[str]:
     """Generate from a text prompt and yield the new text piece by piece.
 
@@ -376,6 +377,8 @@ def stream_text(
         generator: random source for sampling, as in `GenerateOptions`.
         stop_at_eos: stop at `<|endoftext|>` (not printed).
         use_cache: generate with the KV cache (the default here; same greedy tokens).
+        on_token: called with each generated id (a piece of text may hold several, or wait
+            for the next one): how generate.py counts its tokens per second.
 
     Yields:
         Pieces of the generated text (the prompt itself is not repeated).
@@ -390,6 +393,8 @@ def stream_text(
         generator=generator, use_cache=use_cache,
     ):
         text.add(int(next_ids[0]))
+        if on_token is not None:
+            on_token(int(next_ids[0]))
         if len(text.text) > sent:
             yield text.text[sent:]
             sent = len(text.text)

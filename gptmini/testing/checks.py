@@ -58,6 +58,7 @@ def causality(s: Subject):
             moved = where_differs(out[:, :j], out2[:, :j], s.atol)[0]
             if moved.any():
                 i = int(moved.nonzero()[0])
+                cause = _what_it_sees(s, module, n)
                 where = ""
                 if heads is not None and heads2 is not None and s.heads_known:
                     size = heads.shape[-1] // s.num_heads
@@ -68,11 +69,46 @@ def causality(s: Subject):
                         where = (f", in head{'s' if len(leaking) > 1 else ''} "
                                  f"{' and '.join(map(str, leaking))}")
                 return FAILED, (f"length {n}: changing token {j} moves the output at position "
-                                f"{i}{where} by {gap(out[:, i], out2[:, i])}: it sees a later "
-                                "token (a mask not applied, as masked_fill without its "
-                                "underscore; a softmax over the queries; heads merged without "
-                                "a transpose?)")
+                                f"{i}{where} by {gap(out[:, i], out2[:, i])}: {cause}")
     return PASSED, f"changing token j never moves outputs before j (lengths 2-{LENGTHS[-1]})"
+
+
+def _what_it_sees(s: Subject, module: nn.Module, n: int) -> str:
+    """Which later tokens move each earlier output, at a length long enough to tell "every
+    later token" (no mask) from "the next k" (a mask shifted by k): a length-2 counterexample
+    cannot, and the two bugs have different fixes."""
+    m = max(n, 6)
+    x = s.inputs(1, m, seed=7)
+    out = s.call(module, x)
+    seen: dict[int, list[int]] = {i: [] for i in range(m)}
+    for j in range(1, m):
+        changed = x.clone()
+        changed[:, j] = s.inputs(1, 1, seed=300 + j)[:, 0]
+        moved = where_differs(out[:, :j], s.call(module, changed)[:, :j], s.atol)[0]
+        for i in moved.nonzero().flatten().tolist():
+            seen[i].append(j)
+    changed = x.clone()
+    changed[:, 0] = s.inputs(1, 1, seed=300)[:, 0]
+    if not where_differs(out[:, -1:], s.call(module, changed)[:, -1:], s.atol).any():
+        return (f"at length {m} the last position does not see token 0: it attends to later "
+                "tokens instead of earlier ones (a mask reversed, tril for triu, or the "
+                "sequence flipped?)")
+    shifts = {len(js) for i, js in seen.items() if i < m - 1}
+    if len(shifts) == 1 and all(js == list(range(i + 1, min(m, i + 1 + len(seen[0]))))
+                                for i, js in seen.items()):
+        k = shifts.pop()
+        if 0 < k < m - 1:
+            return (f"at length {m} each position sees the next {k} token(s) and none after "
+                    f"(position 0 sees token {k}, not token {k + 1}): a causal mask off by "
+                    f"{k}, as torch.triu(ones, diagonal={k + 1}) makes (the causal mask is "
+                    "diagonal=1: it hides every later key)")
+    if all(js == list(range(i + 1, m)) for i, js in seen.items()):
+        return (f"at length {m} every position sees every later token: no causal mask applied "
+                "(masked_fill without its underscore; a softmax over the queries; heads merged "
+                "without a transpose?)")
+    return (f"it sees a later token (at length {m}, position 0 sees tokens "
+            f"{', '.join(map(str, seen[0])) or 'none'}: a mask applied to some positions only, "
+            "or heads merged without a transpose?)")
 
 
 def _attends_both_ways(s: Subject, module: nn.Module):
@@ -198,9 +234,9 @@ def equals_gptmini(s: Subject):
     module = s.build()
     linears = _book_linears(module)
     if not linears:
-        raise NotApplicable("it has no W_query, W_key, W_value, out_proj (the book's names) "
-                            "to copy into gptmini's MultiHeadAttention, so a wrong scale or "
-                            "head split would go unseen", loud=True)
+        raise _not_comparable(s, module, "it has no W_query, W_key, W_value, out_proj (the "
+                                         "book's names) to copy into gptmini's "
+                                         "MultiHeadAttention")
     if not s.heads_known:
         raise NotApplicable("its number of heads is unknown: declare AttentionSpec(num_heads=)",
                             loud=True)
@@ -211,8 +247,8 @@ def equals_gptmini(s: Subject):
                   and head_dim > 0 and k.weight.shape[0] % head_dim == 0
                   and (q.bias is None) == (k.bias is None) == (v.bias is None))
     if not shapes_fit:
-        raise NotApplicable("W_query, W_key, W_value, out_proj do not have the book's shapes, "
-                            "so a wrong scale or head split would go unseen", loud=True)
+        raise _not_comparable(s, module, "W_query, W_key, W_value, out_proj do not have the "
+                                         "book's shapes")
     window = s.spec.window
     if window is not None and not s.spec.window_counts_self:
         window += 1  # gptmini counts the query itself in its window
@@ -231,10 +267,103 @@ def equals_gptmini(s: Subject):
             row, i = (int(t) for t in moved.nonzero()[0])
             return FAILED, (f"batch {b}, length {n}: position {i} gives {vec(out[row, i])}, "
                             f"gptmini's MultiHeadAttention with the same weights "
-                            f"{vec(expected[row, i])} (a scale other than 1/sqrt(head_dim), "
-                            "softmax over the wrong dimension, or heads split wrong?)")
+                            f"{vec(expected[row, i])}{_why_it_differs(n, moved)}")
     return PASSED, ("same weights, same outputs as gptmini's MultiHeadAttention (the explicit "
                     f"path), lengths 1-{s.context_length}")
+
+
+def _not_comparable(s: Subject, module: nn.Module, why: str) -> NotApplicable:
+    """equals_gptmini cannot run: loud unless `scale` checks the scale and head split."""
+    if s.heads_known and s.d_out == s.d_in and _identity_blocks(module, s.d_in) is not None:
+        return NotApplicable(f"{why}; the scale and head split are checked by `scale` "
+                             "(identity projections)")
+    return NotApplicable(f"{why}, so a wrong scale or head split would go unseen", loud=True)
+
+
+def _why_it_differs(n: int, moved: Tensor) -> str:
+    """What the first length where outputs differ says. One token attends to itself alone
+    whatever the mask and scale; the last of n sees every key under any causal mask."""
+    if n == 1:
+        return (": a single token differs, which neither the scale nor a mask can change (the "
+                "values or the output projection?)")
+    if not moved[:, -1].any():
+        return (": the last position agrees and an earlier one does not, so the mask differs, "
+                "not the scale (see causality)")
+    return " (a scale other than 1/sqrt(head_dim), softmax over the wrong dimension, or heads " \
+           "split wrong?)"
+
+
+SCALES = {"1/sqrt(head_dim)": lambda d, h: (d // h) ** -0.5, "1/head_dim": lambda d, h: h / d,
+          "1/d_out": lambda d, h: 1 / d, "1/sqrt(d_out)": lambda d, h: d ** -0.5,
+          "no scale (1)": lambda d, h: 1.0}
+"""Scales a reader may write; `scale` names the one a module uses (the first the right one)."""
+
+
+def _identity_blocks(module: nn.Module, d: int) -> int | None:
+    """How many (d, d) projections the module's matrices hold, when every parameter is a
+    matrix of such stacked blocks (a fused qkv is 3) or a bias vector, and there are 3 (q, k,
+    v) or 4 (and the output's); else None: other parameters (norms, an MLP, grouped keys)."""
+    blocks = 0
+    for p in module.parameters():
+        if p.dim() == 2 and p.shape[1] == d and p.shape[0] % d == 0:
+            blocks += p.shape[0] // d
+        elif not (p.dim() == 1 and p.shape[0] % d == 0):
+            return None
+    return blocks if blocks in (3, 4) else None
+
+
+def _identity_attention(s: Subject, x: Tensor, scale: float) -> Tensor:
+    """Attention with queries = keys = values = x and no output projection, written out:
+    softmax(scale * x_h x_h^T, masked) x_h for each head's slice x_h of the features."""
+    b, n, d = x.shape
+    h = x.view(b, n, s.num_heads, d // s.num_heads).transpose(1, 2)  # (b, heads, n, head_dim)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= i) if s.spec.causal else torch.ones(n, n, dtype=torch.bool)
+    if s.spec.window is not None:
+        reach = s.spec.window - 1 if s.spec.window_counts_self else s.spec.window
+        allowed = allowed & ((i - j).abs() <= reach)
+    scores = (h @ h.transpose(-1, -2) * scale).masked_fill(~allowed.to(x.device), -torch.inf)
+    return (torch.softmax(scores, dim=-1) @ h).transpose(1, 2).reshape(b, n, d)
+
+
+def scale(s: Subject):
+    """The scale of the scores, whatever the module's layout (a fused qkv as nanoGPT's, two
+    projections, torch's MultiheadAttention): with every projection set to the identity and
+    every bias to 0, queries, keys and values are the input itself, and the output is known."""
+    if s.spec.positions is not None:
+        raise NotApplicable("positions declared: queries and keys move by position")
+    if not s.heads_known:
+        raise NotApplicable("its number of heads is unknown: declare AttentionSpec(num_heads=)",
+                            loud=True)
+    module, d = s.build(), s.d_in
+    blocks = _identity_blocks(module, d) if s.d_out == d else None
+    if blocks is None or d % s.num_heads:
+        raise NotApplicable("its parameters are not projections of width d_in (matrices of "
+                            "stacked (d_in, d_in) blocks, 3 or 4 in all, and biases), so they "
+                            "cannot all be set to the identity")
+    with torch.no_grad():
+        for p in module.parameters():
+            eye = torch.eye(d, dtype=p.dtype, device=p.device)
+            p.copy_(eye.repeat(p.shape[0] // d, 1) if p.dim() == 2 else torch.zeros_like(p))
+    # Causal: only the last query, which sees every key under any causal mask (right, off
+    # by one, or none): the scale is then told apart from the mask, which causality checks.
+    seen = slice(-1, None) if s.spec.causal and s.spec.window is None else slice(None)
+    for b, n in ((1, 2), (2, 3), (2, 8)):
+        x = s.inputs(b, n, seed=11)
+        out = s.call(module, x)[:, seen]
+        wanted = {name: _identity_attention(s, x, f(d, s.num_heads))[:, seen]
+                  for name, f in SCALES.items()}
+        if where_differs(out, wanted["1/sqrt(head_dim)"], s.atol).any():
+            used = next((name for name, w in wanted.items()
+                         if not where_differs(out, w, s.atol).any()), None)
+            says = (f"it scales the scores by {used}" if used else
+                    "its output matches no usual scale, so more than the scale differs (the "
+                    "mask: see causality; heads split wrong; a softmax over another dimension?)")
+            return FAILED, (f"every projection the identity, biases 0 (queries = keys = values "
+                            f"= the input), batch {b}, length {n}: {says}, not 1/sqrt(head_dim) "
+                            f"= 1/sqrt({d // s.num_heads})")
+    return PASSED, (f"with identity projections ({blocks} blocks of {d} x {d}): scores scaled by "
+                    "1/sqrt(head_dim), whatever the layout")
 
 
 def book_numbers(s: Subject):
@@ -343,6 +472,7 @@ CHECKS = [
     ("eval_deterministic", eval_deterministic),
     ("dropout_in_training", dropout_in_training),
     ("equals_gptmini", equals_gptmini),
+    ("scale", scale),
     ("book_numbers", book_numbers),
     ("padding", padding),
     ("fully_padded_queries", fully_padded_queries),

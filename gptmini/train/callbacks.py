@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.loggers import WandbLogger
 
 from gptmini.analysis.plots import attention_weights, plot_attention, require_matplotlib
@@ -73,6 +73,22 @@ class StepCheckpoint(ModelCheckpoint):
             save_last_checkpoint(self, trainer)
 
 
+class ValidateFinalWeights(Callback):
+    """Validate the weights a run ends with, when its last step is not a validation step.
+
+    Lightning validates every val_check_interval batches only: a run of 1,150 steps that
+    validated every 200 never scored its last 150 steps, so its report, best.ckpt and page
+    all stopped at step 1,000. Asking to stop at the last step makes Lightning validate
+    there (as it does for early stopping), once. last.ckpt is saved before it, as at every
+    validation step (saved after a validation, Lightning resumes one step behind).
+    """
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, outputs, batch,
+                           batch_idx: int):
+        if pl_module.optimizer_steps.stepped(trainer) and run_ends_after(trainer, batch_idx):
+            trainer.should_stop = True
+
+
 def run_ends_after(trainer: Trainer, batch_idx: int) -> bool:
     """Whether the batch that just ended is the run's last: max_steps reached, the last
     batch of the last epoch, or a stop already asked for (--trainer.max_time's timer)."""
@@ -89,6 +105,31 @@ def stop_asked(trainer: Trainer) -> bool:
     """trainer.should_stop, unless min_steps or min_epochs keep the run going."""
     return trainer.should_stop and trainer.global_step >= (trainer.min_steps or 0) and (
         trainer.current_epoch >= (trainer.min_epochs or 0))
+
+
+class ModelSummaryWithoutFlops(ModelSummary):
+    """Lightning's model summary, without its FLOPs column and "Total FLOPs: 0" line.
+
+    Lightning counts FLOPs only for a module with an example input, which ours has not, so
+    every run printed zeros (the MFU line at the start says the FLOPs per token). Plain
+    text, whether or not `rich` is installed, as a log file keeps it.
+    """
+
+    @staticmethod
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int,
+                  trainable_parameters: int, model_size: float,
+                  total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        widths = [max(len(name), *(len(str(v)) for v in values)) for name, values in columns]
+        lines = [" | ".join(name.ljust(w) for (name, _), w in zip(columns, widths, strict=True))]
+        lines.append("-" * len(lines[0]))
+        lines += [" | ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True))
+                  for row in zip(*(values for _, values in columns), strict=True)]
+        lines.append(f"{total_parameters:,} parameters ({trainable_parameters:,} trainable), "
+                     f"{model_size:,.1f} MB of weights; {total_training_modes['train']} "
+                     f"modules in train mode, {total_training_modes['eval']} in eval mode")
+        print("\n".join(lines), flush=True)
 
 
 class RunInterrupted(Exception):
@@ -209,17 +250,37 @@ class StopOnSignal(Callback):
         self._restore_handlers()
 
 
+SHAKESPEARE_PROMPT = "ROMEO:"
+"""The samples' prompt on the embedded corpus; other corpora get their own words."""
+
+
+def corpus_prompt(trainer: Trainer, num_tokens: int, shakespeare: str) -> str:
+    """The run's corpus's own prompt (`GPTDataModule.sample_prompt`); `shakespeare` with a
+    data module that has none."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is None or not hasattr(datamodule, "sample_prompt"):
+        return shakespeare
+    return datamodule.sample_prompt(num_tokens, shakespeare)
+
+
 class SampleCallback(EveryNSteps):
     """Every `every_n_steps`, continue a fixed prompt and log the text.
 
     Printed to the console, and added to a wandb table when wandb logs the run. Sampling
     runs under a forked random generator, so it never changes the training run's dropout.
+    The prompt: `prompt`, or with None the start of a validation document of the corpus
+    ("ROMEO:" on the embedded Shakespeare).
     """
 
-    def __init__(self, every_n_steps: int = 200, prompt: str = "ROMEO:", max_new_tokens: int = 40):
+    def __init__(self, every_n_steps: int = 200, prompt: str | None = None,
+                 max_new_tokens: int = 40):
         super().__init__(every_n_steps)
-        self.prompt = prompt
+        self.asked, self.prompt = prompt, prompt or SHAKESPEARE_PROMPT
         self.max_new_tokens = max_new_tokens
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
+        if self.asked is None and self.every_n_steps > 0:
+            self.prompt = corpus_prompt(trainer, 8, SHAKESPEARE_PROMPT)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
         if not self.due(trainer, pl_module):
@@ -263,18 +324,21 @@ class AttentionMapCallback(EveryNSteps):
 
     Args:
         every_n_steps: optimizer steps between maps; 0 or less turns the callback off.
-        prompt: the text whose attention is drawn.
+        prompt: the text whose attention is drawn; None: the start of a validation
+            document of the corpus (a line of Romeo and Juliet on the embedded Shakespeare).
         layer: the transformer block, negative counting from the last.
     """
+
+    SHAKESPEARE = "ROMEO: But soft, what light"
 
     def __init__(
         self,
         every_n_steps: int = 500,
-        prompt: str = "ROMEO: But soft, what light",
+        prompt: str | None = None,
         layer: int = -1,
     ):
         super().__init__(every_n_steps)
-        self.prompt = prompt
+        self.asked, self.prompt = prompt, prompt or self.SHAKESPEARE
         self.layer = layer
         self._disabled = every_n_steps <= 0
 
@@ -285,6 +349,8 @@ class AttentionMapCallback(EveryNSteps):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
         if self._disabled or not trainer.is_global_zero:
             return
+        if self.asked is None:
+            self.prompt = corpus_prompt(trainer, 12, self.SHAKESPEARE)
         try:
             require_matplotlib()
         except ImportError as err:

@@ -55,11 +55,13 @@ from gptmini.tokenizer import (
 )
 from gptmini.train.callbacks import (
     AttentionMapCallback,
+    ModelSummaryWithoutFlops,
     RunInterrupted,
     SampleCallback,
     StepCheckpoint,
     StopOnSignal,
     StoppedAtOnce,
+    ValidateFinalWeights,
 )
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
@@ -70,6 +72,14 @@ from gptmini.train.run_lock import is_first_process, run_lock
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and every other config applies on top."""
+SUMMARY_NOTICE = "Trainer already configured with model summary callbacks"
+"""What Lightning says when a run brings its own model summary, as every train.py run does."""
+HELP_DESCRIPTION = (
+    "Train a GPT. With no option it trains the default run (gptmini/configs/"
+    "shakespeare-cpu.yaml) into runs/shakespeare-cpu/; every option below is applied on top "
+    "of it and may also be written in a YAML file given with --config. Your own corpus: "
+    "--data.corpus.source FILE (the run is then named after it). The optimizer and its "
+    "schedule are --model.optimizer and the --model.* rates below.")
 # How gptmini drives Lightning, whatever the run; a run's own choices are in its config.
 TRAINER_DEFAULTS = {
     "check_val_every_n_epoch": None,  # validate every val_check_interval steps, across epochs
@@ -99,14 +109,19 @@ class GPTTrainer(Trainer):
 class GPTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.add_argument("--run_name", type=str, default="run",
-                            help="Folder of this run under trainer.default_root_dir.")
+                            help="Folder of this run under trainer.default_root_dir; a run "
+                                 "given --data.corpus.source without it is named after "
+                                 "that corpus.")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="Resume: 'last' (this run's last.ckpt) or a checkpoint path.")
         parser.add_argument("--checkpoint_every", type=int, default=100,
                             help="Save checkpoints/last.ckpt every this many optimizer steps.")
         parser.add_argument("--sample_every", type=int, default=200,
                             help="Log a sample of generated text every this many steps (0: off).")
-        parser.add_argument("--sample_prompt", type=str, default="ROMEO:")
+        parser.add_argument("--sample_prompt", type=str | None, default=None,
+                            help="Prompt of the samples (and of the attention maps and the "
+                                 "report's generate command); default: the start of a "
+                                 "validation document, 'ROMEO:' on the embedded corpus.")
         parser.add_argument("--attention_every", type=int, default=0,
                             help="Save the attention map of a fixed prompt every this many "
                                  "steps (0: off; needs matplotlib).")
@@ -133,6 +148,7 @@ class GPTCLI(LightningCLI):
             StepCheckpoint(dirpath=checkpoints, filename="best", monitor="val/loss",
                            mode="min", save_top_k=1, enable_version_counter=False),
             StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
+            ValidateFinalWeights(),  # the report, best.ckpt and the page end at the last step
             SampleCallback(cfg.sample_every, cfg.sample_prompt),
             RunReport(run_dir(self), cfg.sample_prompt),  # printed when the run ends
         ]
@@ -141,8 +157,11 @@ class GPTCLI(LightningCLI):
             every = max(1, cfg.trainer.log_every_n_steps) * max(
                 1, cfg.trainer.accumulate_grad_batches)
             self.trainer_defaults["callbacks"].append(progress_bar(refresh_rate=every))
+        if cfg.trainer.enable_model_summary is not False:
+            self.trainer_defaults["callbacks"].append(ModelSummaryWithoutFlops())
         if cfg.attention_every > 0:
-            self.trainer_defaults["callbacks"].append(AttentionMapCallback(cfg.attention_every))
+            maps = AttentionMapCallback(cfg.attention_every, cfg.sample_prompt)
+            self.trainer_defaults["callbacks"].append(maps)
         # Checkpoints are written beside their target and renamed (see checkpoint_io).
         plugins = _as_list(self.config_init.get("trainer.plugins"))
         kwargs["plugins"] = [AtomicCheckpointIO(), *plugins]
@@ -150,6 +169,7 @@ class GPTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         check_intervals(self.config)
+        self._name_after_corpus()
         resumed = _saved(self.config.ckpt_path, run_dir(self))  # read once, for both
         self._resolve_precision(resumed)
         self._resolve_init_from(resumed)
@@ -163,6 +183,21 @@ class GPTCLI(LightningCLI):
                 f"--trainer.accelerator {accelerator}: this machine has no CUDA GPU (torch "
                 f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
             )
+
+    def _name_after_corpus(self) -> None:
+        """A run given another corpus on the command line (--data.corpus.source) and no
+        --run_name is named after that corpus ("notes" for notes.txt): before, it kept its
+        config's name (shakespeare-cpu), whose checkpoints then refused it."""
+        given = [a.split("=", 1)[0] for a in getattr(self, "_command_line", [])]
+        if "--run_name" in given or "--data.corpus.source" not in given:
+            return
+        name = corpus_name(self.config)
+        if name is None:
+            return  # the embedded corpus keeps the config's name; a bad one errors later
+        self.config.run_name = name
+        if rank_zero_only.rank == 0:
+            print(f"run name: {name} (after the corpus; --run_name names it otherwise)",
+                  flush=True)
 
     def _resolve_precision(self, checkpoint: dict) -> None:
         """--trainer.precision auto, decided here and said: a resumed run keeps the precision
@@ -195,7 +230,11 @@ class GPTCLI(LightningCLI):
             vocab_size = parse_bpe(model.tokenizer)
             if vocab_size is None:
                 return
-            enc = load_tokenizer(Corpus(**data.corpus.as_dict()).fit_tokenizer(vocab_size))
+            fitted = Corpus(**data.corpus.as_dict()).fit_tokenizer(vocab_size)
+            if self.config.trainer.fast_dev_run:  # a trial writes nothing in the run folder
+                model.tokenizer = data.corpus.tokenizer = str(fitted)
+                return
+            enc = load_tokenizer(fitted)
         target = run_dir(self) / "tokenizer.json"
         save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
         model.tokenizer = data.corpus.tokenizer = str(target)
@@ -267,7 +306,7 @@ class GPTCLI(LightningCLI):
     def _given(self, section: str) -> set[str]:
         """The `section` fields this invocation sets: by a flag, in a --config file, or to a
         value other than the default run's."""
-        args = self._args or []
+        args = self._command_line or []
         given = {a.split("=", 1)[0][len(section) + 3:] for a in args
                  if a.startswith(f"--{section}.")}
         for path in self.config.get("config") or []:
@@ -298,8 +337,8 @@ class GPTCLI(LightningCLI):
             model.tokenizer = data.corpus.tokenizer = str(target)
 
     def parse_arguments(self, parser, args):
-        self._args = sys.argv[1:] if args is None else list(args)
-        check_keys(parser, self._args)
+        self._command_line = list(sys.argv[1:] if args is None else args)
+        check_keys(parser, self._command_line)
         super().parse_arguments(parser, args)
         seed = self.config.get("seed_everything")  # seeded before any other check runs
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
@@ -390,19 +429,24 @@ def keep_freed_memory() -> bool:
 
 
 def _not_an_advert(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("💡 Tip:")
+    return not str(record.msg).startswith(("💡 Tip:", SUMMARY_NOTICE))
 
 
 def quiet_lightning() -> None:
     """Silence what Lightning prints that is no user's to act on: start-up adverts for its
     cloud products (litlogger, litmodels), a deprecation warning its own code raises under
-    torch 2.13 (`isinstance(treespec, LeafSpec)`, at every resume), and "checkpoint
-    directory exists and is not empty" (a resume writes there by design; `fit` refuses a new
-    run over another's checkpoints). Narrow filters: every other message stays."""
+    torch 2.13 (`isinstance(treespec, LeafSpec)`, at every resume), "checkpoint directory
+    exists and is not empty" (a resume writes there by design; `fit` refuses a new run over
+    another's checkpoints), the model summary's "Precision bf16-mixed is not supported"
+    (mixed precision keeps float32 weights: the 32 bits it falls back to are right), and
+    the notice that ours replaces Lightning's (see ModelSummaryWithoutFlops). Narrow
+    filters: every other message stays."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if _not_an_advert not in logger.filters:
             logger.addFilter(_not_an_advert)
+    warnings.filterwarnings("ignore", message=r"Precision \S+-mixed is not supported by the "
+                                              r"model summary")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
@@ -417,10 +461,17 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
         trainer_class=GPTTrainer,
         args=args,
         run=False,
+        # No --optimizer/--lr_scheduler of Lightning's: they replaced --model.optimizer and
+        # the warmup-cosine schedule silently (only a warning said configure_optimizers
+        # "will be overridden"); the module's own settings are the one way to choose.
+        auto_configure_optimizers=False,
         seed_everything_default=1234,
         trainer_defaults=dict(TRAINER_DEFAULTS),
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "default_config_files": [str(DEFAULT_CONFIG)]},
+        parser_kwargs={"default_env": False, "default_config_files": [str(DEFAULT_CONFIG)],
+                       # one usage line, not argparse's 90 lines repeating every option
+                       "usage": "train.py [--config FILE] [--<section>.<option> VALUE ...]",
+                       "description": HELP_DESCRIPTION},
     )
 
 
@@ -445,12 +496,8 @@ def _fit(cli: GPTCLI):
     if ckpt is not None:
         check_resumable(checkpoints / "last.ckpt" if ckpt == "last" else Path(ckpt))
     existing = sorted(p.name for p in checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
-    if ckpt is None and existing:
-        raise ValueError(
-            f"run {cli.config.run_name!r} already has checkpoints in {checkpoints} "
-            f"({', '.join(existing)}), which a new run would overwrite. Resume it with "
-            "--ckpt_path last, or start fresh under another --run_name"
-        )
+    if ckpt is None and existing and not cli.trainer.fast_dev_run:  # a trial saves nothing
+        raise ValueError(already_trained(cli.config, checkpoints, existing))
     check_accumulation(cli.trainer)
     if checkpoints.is_dir():
         remove_stale_temporaries(checkpoints)  # of saves a kill interrupted
@@ -471,6 +518,45 @@ def check_resumable(path: Path) -> None:
     if isinstance(weights, dict):
         check_finite({k: v for k, v in weights.items() if k.startswith(MODEL_PREFIX)},
                      f"--ckpt_path {path}")
+
+
+def corpus_name(config) -> str | None:
+    """The short name of the run's corpus ("notes" for notes.txt, "fineweb-edu" for a hub
+    dataset); None for the embedded corpus, or one that does not resolve (the data module
+    then says what is wrong with it)."""
+    if config.data.corpus.source is None:
+        return None
+    try:
+        return Corpus(**config.data.corpus.as_dict()).resolve().name
+    except (ValueError, OSError):
+        return None
+
+
+def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
+    """Why a new run may not start where checkpoints are, with the fix that fits: the same
+    corpus is resumed; another corpus gets a name of its own."""
+    head = (f"run {config.run_name!r} already has checkpoints in {checkpoints} "
+            f"({', '.join(existing)}), which a new run would overwrite")
+    try:
+        saved = read_checkpoint(checkpoints / ("last.ckpt" if "last.ckpt" in existing
+                                               else existing[0]), "cpu", mmap=True)
+        trained_on = saved["datamodule_hyper_parameters"]["source"]
+    except (ValueError, OSError, KeyError, TypeError):
+        trained_on = ...  # unreadable or older: no corpus to compare
+    source = config.data.corpus.source
+    if trained_on is ... or trained_on == source:
+        same = "" if trained_on is ... else "; it trained on this corpus"
+        return (f"{head}{same}. Resume it with --ckpt_path last, or start fresh under "
+                "another --run_name")
+    name = corpus_name(config) or "shakespeare"
+    if name == config.run_name:
+        name += "-2"
+
+    def corpus(text: str | None) -> str:
+        return "the embedded Shakespeare corpus" if text is None else text
+
+    return (f"{head}; it trained on {corpus(trained_on)}, and this run is on "
+            f"{corpus(source)}: give this run a name of its own, e.g. --run_name {name}")
 
 
 def check_intervals(config) -> None:

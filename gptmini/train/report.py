@@ -15,6 +15,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gptmini.analysis.curves import load_metrics, plot_curves
+from gptmini.train.callbacks import SHAKESPEARE_PROMPT, corpus_prompt
 
 
 class RunReport(Callback):
@@ -23,9 +24,16 @@ class RunReport(Callback):
     writes it to `<run_dir>/report.txt`. A run stopped by a signal or an error reports
     nothing (its own message says what happened)."""
 
-    def __init__(self, run_dir: str | Path, prompt: str = "ROMEO:"):
-        self.run_dir, self.prompt = Path(run_dir), prompt
+    def __init__(self, run_dir: str | Path, prompt: str | None = None):
+        """`prompt`: the one the next `generate.py` is shown with; None: the start of a
+        validation document of the corpus ("ROMEO:" on the embedded Shakespeare)."""
+        self.run_dir, self.asked = Path(run_dir), prompt
+        self.prompt = prompt or SHAKESPEARE_PROMPT
         self._start, self._seconds, self._first_step, self._tokens = 0.0, 0.0, 0, 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
+        if self.asked is None:
+            self.prompt = corpus_prompt(trainer, 8, SHAKESPEARE_PROMPT)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule):
         self._start, self._first_step, self._tokens = time.monotonic(), trainer.global_step, 0
@@ -39,6 +47,10 @@ class RunReport(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule):
         if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        if trainer.fast_dev_run:  # a trial of every step's code: no files, no figures
+            print(f"run {self.run_dir.name}: fast_dev_run trained and validated "
+                  f"{int(trainer.fast_dev_run)} batch(es); nothing was saved", flush=True)
             return
         for logger in trainer.loggers:
             logger.save()  # the CSV rows written so far, for the curves and the best values
@@ -72,9 +84,8 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
     lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
              f"{tokens:,} tokens{rate}"]
     if "val/loss" in metrics:
-        # Lightning logs a validation at the 0-based index of the step before it: + 1.
-        at, losses = [s + 1 for s in metrics["val/loss"][0]], metrics["val/loss"][1]
-        bpb = {s + 1: v for s, v in zip(*metrics.get("val/bpb", ([], [])), strict=True)}
+        at, losses = metrics["val/loss"]  # steps as load_metrics counts them: steps taken
+        bpb = dict(zip(*metrics.get("val/bpb", ([], [])), strict=True))
         best = min(range(len(losses)), key=losses.__getitem__)
         scope = (f"{val_batches:,} batches" if isinstance(val_batches, int)
                  else f"{val_batches:.0%} of the split")

@@ -123,7 +123,7 @@ def test_plot_attention_writes_a_png_of_the_expected_size(model, tokenizer, tmp_
 def test_metrics_merge_versions_and_resumed_steps_replace_the_first_attempt(run_dir):
     metrics, resumes = load_metrics(run_dir)
     assert metrics["train/loss"] == ([10, 20, 30, 40, 50], [8.0, 4.8, 4.7, 4.6, 4.5])
-    assert metrics["val/loss"] == ([40], [4.0])  # step 20's value came from the lost timeline
+    assert metrics["val/loss"] == ([40], [4.0])  # step 30's value came from the lost timeline
     assert metrics["train/lr"][0] == [10, 20, 30, 40, 50]
     assert resumes == [20]
     assert load_metrics(run_dir / "logs")[0] == metrics

@@ -126,6 +126,11 @@ def test_qk_norm_exports_as_qwen3_and_a_transformers_qwen3_loads_back(tmp_path):
     ids = torch.randint(0, 257, (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+    # what docs/weights.md tells a user to call, whatever the layout the export took
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    assert isinstance(auto, transformers.Qwen3ForCausalLM)
+    with torch.no_grad():
+        assert torch.equal(auto(ids).logits, hf(ids).logits)
     hf.save_pretrained(tmp_path / "saved")
     back = load_hf(tmp_path / "saved")
     assert back.cfg.qk_norm and back.cfg.tie_weights

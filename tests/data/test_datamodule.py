@@ -32,6 +32,20 @@ def test_a_separate_validation_source(tmp_path):
     assert dm.val_dataset.stride == 8 and len(dm.val_dataset) == 9
 
 
+def test_the_sample_prompt_is_the_corpus_own_words(tmp_path):
+    """Before: every corpus was sampled (and its attention drawn) with "ROMEO:"."""
+    (tmp_path / "train.txt").write_text("import os\n\nprint(os.getcwd())\n" * 40)
+    (tmp_path / "val.txt").write_text("def main():\n    return 42\n")
+    dm = GPTDataModule(Corpus(str(tmp_path / "train.txt"), val_source=str(tmp_path / "val.txt"),
+                              cache_dir=str(tmp_path / "c")), Windows(max_length=8))
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.sample_prompt(8, "ROMEO:") == "def main():"  # the first line of validation
+    assert dm.sample_prompt(2, "ROMEO:") == "def main"  # a token budget, not the whole line
+    embedded = GPTDataModule(Corpus(cache_dir=str(tmp_path / "c")))
+    assert embedded.sample_prompt(8, "ROMEO:") == "ROMEO:"  # read without tokenizing
+
+
 def test_default_datamodule_trains_on_the_embedded_corpus(tmp_path):
     dm = GPTDataModule(Corpus(cache_dir=str(tmp_path)), Windows(max_length=64),
                        Loader(batch_size=4))

@@ -277,3 +277,18 @@ def test_serve_py_numbers_are_checked_before_the_engine(checkpoint, capsys, flag
     with pytest.raises(SystemExit) as exc:
         serve_main(["--checkpoint", str(checkpoint), "--port", "0", flag, value])
     assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_generate_py_says_its_defaults_and_its_speed_apart_from_the_text(checkpoint, capsys):
+    """Before: --help showed no defaults and no run said how fast it generated."""
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 200)", "(default: 0.8)", "(default: 1)", "(default: cpu)"):
+        assert default in helptext
+    assert generate_main(["--checkpoint", str(checkpoint), "--prompt", "ROMEO:",
+                          "--max_new_tokens", "6", "--temperature", "0", "--num_samples",
+                          "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "tokens/s" not in out  # the text alone on stdout, for a pipe or a file
+    assert err.startswith("generate.py: 12 tokens in ") and "tokens/s" in err

@@ -31,7 +31,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
     checkpoint = save_checkpoint(GPTModel(tiny()).eval(), tmp_path / "tiny.ckpt")
     server, url = start_serve_py(checkpoint, "--dtype", "float32")
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang guard, not a speed test
         while True:
             assert server.poll() is None, server.stdout.read()
             assert time.monotonic() < deadline, "serve.py did not start"

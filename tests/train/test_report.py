@@ -2,15 +2,17 @@
 
 from pathlib import Path
 
+import torch
 from helpers import png_size, tiny_args
 
+from gptmini.analysis.curves import load_metrics
 from gptmini.train.command import main
 from gptmini.train.report import format_report
 
 
 def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):
-    metrics = {"val/loss": ([9, 19, 29], [5.0, 4.2, 4.5]),
-               "val/bpb": ([9, 19, 29], [2.5, 2.1, 2.25])}
+    metrics = {"val/loss": ([10, 20, 30], [5.0, 4.2, 4.5]),
+               "val/bpb": ([10, 20, 30], [2.5, 2.1, 2.25])}
     (tmp_path / "checkpoints").mkdir()
     for name in ("last.ckpt", "best.ckpt"):
         (tmp_path / "checkpoints" / name).write_bytes(b"")
@@ -33,13 +35,26 @@ def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):
 
 def test_a_finished_run_prints_its_report_and_saves_it_with_the_curves(tmp_path, corpus,
                                                                       capsys):
-    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "20")) == 0
+    assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "25")) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "tiny"
     report = (run / "report.txt").read_text()
     assert report.strip() in out
-    assert report.startswith("run tiny: 20 steps in ")
-    assert ", 1,280 tokens (" in report.splitlines()[0]  # 20 steps of 4 x 16 tokens
-    assert "(after step 20; 4 batches" in report  # validated at 10 and 20
+    assert report.startswith("run tiny: 25 steps in ")
+    assert ", 1,600 tokens (" in report.splitlines()[0]  # 25 steps of 4 x 16 tokens
+    assert "(after step 25; 4 batches" in report  # validated at 10, 20 and the last step
     assert png_size(Path(run / "curves.png")) == (800, 800)
     assert "evaluate.py --checkpoint" in report
+    # The run ends with its final weights validated. Before: a run of 1,150 steps validating
+    # every 200 never scored its last 150 steps; its report, best.ckpt and the page stopped
+    # at step 1,000, and the curves said 999.
+    steps, losses = load_metrics(run)[0]["val/loss"]
+    assert steps == [10, 20, 25]  # steps taken, as the report and the checkpoints count
+    last, best = (torch.load(run / "checkpoints" / f"{n}.ckpt", weights_only=False)
+                  for n in ("last", "best"))
+    assert last["global_step"] == 25
+    assert best["global_step"] == steps[losses.index(min(losses))]
+    # the next generate.py is shown with the corpus's own words, not Shakespeare's "ROMEO:"
+    prompt = report.split("--prompt '")[1].split("' --stream")[0]
+    assert prompt != "ROMEO:" and prompt in corpus.read_text()
+

@@ -228,7 +228,7 @@ def training_until_signalled(tmp_path, corpus, *extra: str):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a hang guard, not a speed test
     try:
         while not (metrics.is_file() and "train/loss" in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -435,3 +435,35 @@ def test_a_different_tokenizer_on_resume_is_named_as_overridden(tmp_path, corpus
     assert other.model.hparams.tokenizer == same.model.hparams.tokenizer == "gpt2"
     fit(other)
     assert other.trainer.global_step == 3
+
+
+@pytest.mark.slow
+def test_another_corpus_names_its_run_and_a_trial_run_saves_nothing(tmp_path, corpus, capsys):
+    """Before: after the default run, `train.py --data.corpus.source notes.txt` and
+    `--trainer.fast_dev_run true` were both refused (the run kept its config's name, whose
+    checkpoints were there), with advice to resume; a trial under a new name wrote a
+    checkpoint that used the name up."""
+    first = tiny_args(tmp_path, corpus, "--trainer.max_steps", "4")
+    assert main(first) == 0
+    tiny = tmp_path / "runs" / "tiny"
+    before = {p.name: p.read_bytes() for p in (tiny / "checkpoints").iterdir()}
+    report = (tiny / "report.txt").read_text()
+    assert main([*first, "--trainer.fast_dev_run", "true"]) == 0
+    assert {p.name: p.read_bytes() for p in (tiny / "checkpoints").iterdir()} == before
+    assert (tiny / "report.txt").read_text() == report
+    capsys.readouterr()
+
+    notes = write_corpus(tmp_path / "notes.txt", repeats=12)
+    unnamed = [a for a in tiny_args(tmp_path, notes, "--trainer.max_steps", "4")
+               if a not in ("--run_name", "tiny")]
+    assert main(unnamed) == 0
+    assert "run name: notes (after the corpus" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "notes" / "checkpoints" / "last.ckpt").is_file()
+
+    assert main(unnamed) == 1  # the same corpus again: resume it, or name a fresh start
+    err = capsys.readouterr().err
+    assert "it trained on this corpus. Resume it with --ckpt_path last" in err
+    assert main([*unnamed, "--run_name", "tiny"]) == 1  # another corpus: a name of its own
+    err = capsys.readouterr().err
+    assert f"it trained on {corpus}, and this run is on {notes}" in err
+    assert err.rstrip().endswith("e.g. --run_name notes") and "--ckpt_path" not in err

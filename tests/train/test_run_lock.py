@@ -14,11 +14,11 @@ from gptmini.train.command import build_cli, fit, main
 from gptmini.train.run_lock import RunInUse, is_first_process, run_lock
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
     from gptmini.train.run_lock import run_lock
     with run_lock(sys.argv[1]):
         print("locked", flush=True)
-        time.sleep(60)
+        sys.stdin.read()  # held until the test kills it: no deadline a slow machine outruns
 """)
 
 
@@ -27,7 +27,7 @@ def holder(tmp_path):
     """Another process holding the lock of tmp_path/runs/tiny; yields it, kills it after."""
     directory = tmp_path / "runs" / "tiny"
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
         yield proc
