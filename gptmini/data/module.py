@@ -165,7 +165,7 @@ class GPTDataModule(L.LightningDataModule):
         if dataset is None or len(dataset) == 0:
             return shakespeare
         tokenizer = get_tokenizer(self.corpus.tokenizer)
-        ids = dataset[0][0][:num_tokens].tolist()
+        ids = torch.as_tensor(dataset[0][0])[:num_tokens].tolist()  # windows, records alike
         if tokenizer.eot_token in ids:  # a short first document: its own words only
             ids = ids[:ids.index(tokenizer.eot_token)]
         text = tokenizer.decode(ids)

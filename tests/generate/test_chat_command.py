@@ -46,6 +46,8 @@ def checkpoint(tmp_path_factory) -> Path:
     path = save_checkpoint(model, tmp_path_factory.mktemp("chat") / "chat.ckpt", "byte")
     saved = torch.load(path, weights_only=False)
     saved["tokenizer"] = tokenizer_to_dict(ENC)  # the byte vocabulary with the chat tokens
+    # as train.py names a grown vocabulary: the run's own file, not the built-in "byte"
+    saved["hyper_parameters"]["tokenizer"] = str(path.parent / "tokenizer.json")
     torch.save(saved, path)
     return path
 
