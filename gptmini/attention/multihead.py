@@ -115,9 +115,6 @@ class MultiHeadAttention(nn.Module):
         self.context_length = context_length
         scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
         self.settings = AttentionSettings(causal, window_size, scheme, softcap)
-        # before the kernel, which must be able to add them (zeros: no random numbers drawn,
-        # so the book's weights below are unchanged)
-        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.backend = backend  # builds self.kernel
 
         kv_dim = num_kv_heads * self.head_dim
@@ -130,6 +127,10 @@ class MultiHeadAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=1e-6)
             self.k_norm = RMSNorm(self.head_dim, eps=1e-6)
         self.qk_norm = qk_norm
+        # after the book's weights, which keep their order; zeros: no random numbers drawn
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
+        if sinks:
+            self.backend = backend  # again: the kernel must be able to add them
         self.gate = (None if gate == "none" else
                      OutputGate(d_in, num_heads, self.head_dim, gate, bias=qkv_bias))
         # The book registers its triangular mask as a buffer; here masks are built per call
@@ -146,7 +147,7 @@ class MultiHeadAttention(nn.Module):
     @backend.setter
     def backend(self, backend: str | type):
         kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
-        if self.sinks is not None and not getattr(kernel, "has_sinks", False):
+        if getattr(self, "sinks", None) is not None and not getattr(kernel, "has_sinks", False):
             raise ValueError(
                 f"the {backend_name(backend)} attention backend cannot add attention sinks "
                 "(a kernel that can says has_sinks = True): use sdpa, explicit, flex or "
