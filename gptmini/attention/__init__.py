@@ -6,6 +6,9 @@
                   with the layers' `AttentionSettings`
     norm.py       RMSNorm (the QK-norm's and the model's): torch's result, fast on a CPU
     masks.py      the mask algebra (True = may attend) and score modifiers (ALiBi, soft-cap)
+    sinks.py      attention sinks (gpt-oss): a learned logit per head in the softmax's
+                  denominator, as each kernel adds it
+    gate.py       gated attention (Qwen3-Next): a sigmoid gate on each head's output
     positions/    position schemes, one object each: learned, rope, alibi, none (`SCHEMES`)
     kernels/      sdpa, explicit, flex, tiled (flash attention's algorithm), as a table
     book.py       the book's teaching variants (Listings 3.1-3.4), kept as oracles

@@ -21,9 +21,11 @@ kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 
 (set the attention's own rate to 0: GPTConfig.attn_drop_rate).
 """
 
+import torch
 from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext, AttentionSettings
+from gptmini.attention.gate import GATES, OutputGate
 from gptmini.attention.kernels import KERNELS, backend_name, explicit_attention, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.norm import RMSNorm
@@ -65,12 +67,18 @@ class MultiHeadAttention(nn.Module):
             OLMo 2 do), which keeps the scores' scale in check.
         out_bias: a bias in out_proj (the book's); Llama-style models have none.
         softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
+        sinks: a learned logit per head in the softmax's denominator (gpt-oss's attention
+            sinks, gptmini.attention.sinks): the parameter `sinks` (num_heads,), starting
+            at 0; the weights then sum to less than 1. Every built-in kernel adds it.
+        gate: "headwise" or "elementwise": a sigmoid gate from the input on each head's
+            output before out_proj (Qwen3-Next's gated attention, gptmini.attention.gate);
+            "none": no gate.
 
     What its contexts must be built with (causal, window, position scheme, soft-cap) is
     `settings`, an `AttentionSettings`.
     """
 
-    # 16 parameters: the book's six, then one keyword per option above, each one a reader
+    # 18 parameters: the book's six, then one keyword per option above, each one a reader
     # may type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
     # short spelling of two position schemes for a module used alone.
     def __init__(
@@ -92,8 +100,12 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         out_bias: bool = True,
         softcap: float | None = None,
+        sinks: bool = False,
+        gate: str = "none",
     ):
         super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_heads(d_out, num_heads, num_kv_heads, dropout)
         self.d_out = d_out
@@ -115,6 +127,12 @@ class MultiHeadAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=1e-6)
             self.k_norm = RMSNorm(self.head_dim, eps=1e-6)
         self.qk_norm = qk_norm
+        # after the book's weights, which keep their order; zeros: no random numbers drawn
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
+        if sinks:
+            self.backend = backend  # again: the kernel must be able to add them
+        self.gate = (None if gate == "none" else
+                     OutputGate(d_in, num_heads, self.head_dim, gate, bias=qkv_bias))
         # The book registers its triangular mask as a buffer; here masks are built per call
         # (gptmini.attention.context), so they also cover caches, windows, padding and
         # documents, and checkpoints do not carry a context_length^2 tensor per layer. The
@@ -128,7 +146,13 @@ class MultiHeadAttention(nn.Module):
 
     @backend.setter
     def backend(self, backend: str | type):
-        self.kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+        kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+        if getattr(self, "sinks", None) is not None and not getattr(kernel, "has_sinks", False):
+            raise ValueError(
+                f"the {backend_name(backend)} attention backend cannot add attention sinks "
+                "(a kernel that can says has_sinks = True): use sdpa, explicit, flex or "
+                "tiled, or turn the sinks off (GPTConfig.attn_sinks=False)")
+        self.kernel = kernel
         self._backend = backend
 
     def forward(
@@ -187,6 +211,8 @@ class MultiHeadAttention(nn.Module):
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
+        if self.gate is not None:
+            context_vec = self.gate(x, context_vec)
         out = self.out_proj(context_vec)
         empty_rows = context.empty_rows()  # (b, num_tokens) or None
         if empty_rows is not None:
@@ -204,8 +230,10 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("return_weights needs one sequence per row; an engine "
                                  "step's packed sequences have no such weights")
             queries, context = ragged.unpack(queries), ragged.context
+        sinks = self.sinks
         if return_weights:
-            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
+            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p,
+                                                      sinks=sinks)
         else:
             if dropout_p > 0 and not self.kernel.has_dropout:
                 raise ValueError(
@@ -214,7 +242,11 @@ class MultiHeadAttention(nn.Module):
                     "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
                     "explicit backend"
                 )
-            context_vec, weights = self.kernel(queries, keys, values, context, dropout_p), None
+            weights = None
+            if sinks is None:
+                context_vec = self.kernel(queries, keys, values, context, dropout_p)
+            else:  # only a kernel that has_sinks is given the keyword
+                context_vec = self.kernel(queries, keys, values, context, dropout_p, sinks=sinks)
         if ragged is not None:
             context_vec = ragged.pack(context_vec)
         return context_vec, weights

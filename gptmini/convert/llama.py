@@ -53,7 +53,8 @@ QK_NORM_EPS = 1e-6
 """gptmini's QK-norm epsilon; Qwen3 uses its one rms_norm_eps there too, so a model exports
 as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
-         "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None}
+         "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
+         "attn_sinks": False, "attn_gate": "none"}
 """The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
 
 
@@ -162,8 +163,9 @@ def config_to_llama(cfg: GPTConfig) -> dict:
               if getattr(cfg, k) != v and k != "qk_norm"]
     if differ:
         raise ValueError(
-            "Llama's layout is rotary positions, RMSNorm, SwiGLU, no biases, no soft-cap and "
-            f"full attention (Qwen3's adds QK-norm); this model has {', '.join(differ)}. "
+            "Llama's layout is rotary positions, RMSNorm, SwiGLU, no biases, no soft-cap, no "
+            "attention sinks or gates and full attention (Qwen3's adds QK-norm); this model "
+            f"has {', '.join(differ)}. "
             "Export it with " + ", ".join(f"{k}={v!r}" for k, v in LLAMA.items()
                                           if k != "qk_norm"))
     if cfg.qk_norm and cfg.norm_eps != QK_NORM_EPS:

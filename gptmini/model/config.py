@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from gptmini.attention import kernels
+from gptmini.attention.gate import GATES
 from gptmini.attention.positions import SCHEMES, PositionScheme
 
 __all__ = ["GPT_CONFIG_124M", "ConfigError", "GPTConfig", "MLPS", "NORMS", "PRESETS",
@@ -103,6 +104,14 @@ class GPTConfig:
     attn_softcap: float | None = None
     """Soft-cap the attention scores at this value (cap * tanh(score / cap), Gemma 2's);
     None: no cap."""
+    # issue 37, attention sinks and gated attention
+    attn_sinks: bool = False
+    """A learned logit per head in the softmax's denominator (gpt-oss's attention sinks):
+    a head may attend to nothing. Every built-in kernel has them."""
+    attn_gate: str = "none"
+    """A sigmoid gate from the block's input on each head's output, before out_proj
+    (Qwen3-Next's gated attention): none, headwise (one per head) or elementwise (one per
+    output channel, Qwen3-Next's)."""
 
     def __post_init__(self):
         self._check_shape()
@@ -169,6 +178,8 @@ class GPTConfig:
         if self.attn_softcap is not None:
             self._need_number("attn_softcap", lambda x: x > 0.0,
                               "use a finite positive cap such as 50, or None for no cap")
+        need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
+        need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
 
     def position_scheme(self) -> PositionScheme:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);

@@ -94,6 +94,8 @@ class TransformerBlock(nn.Module):
             qk_norm=cfg.qk_norm,
             out_bias=cfg.bias,
             softcap=cfg.attn_softcap,
+            sinks=cfg.attn_sinks,
+            gate=cfg.attn_gate,
         )
         self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
         self.norm1 = make_norm(cfg)

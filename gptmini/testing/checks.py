@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from gptmini.testing.masking import fully_padded_queries, kv_cache, padding, window
 from gptmini.testing.outcomes import FAILED, LENGTHS, PASSED, gap, refusal, vec, where_differs
 from gptmini.testing.positions import relative_positions
-from gptmini.testing.subject import NotApplicable, Subject, one_line
+from gptmini.testing.subject import NotApplicable, Subject, attribute, one_line
 
 BOOK_NAMES = ("W_query", "W_key", "W_value", "out_proj")
 BOOK_INPUTS = [  # "Your journey starts with one step" in 3 dimensions (book section 3.3)
@@ -147,7 +147,7 @@ def sees_itself(s: Subject):
 
 
 def identical_tokens(s: Subject):
-    module = s.build()
+    module = s.build(sinks=False)  # a sink takes weight by design: at -inf it is none
     one = s.inputs(1, 1)
     single = s.call(module, one)
     if not single.isfinite().all():
@@ -161,8 +161,9 @@ def identical_tokens(s: Subject):
                             f"{i}, not the single token's {vec(single[0, 0])}: attention "
                             "weights that do not sum to 1 over the keys (softmax over the "
                             "wrong dimension?), or heads or positions mixed up")
+    sinks = " (sinks at -inf)" if s.spec.sinks is not None else ""
     return PASSED, ("a repeated token gives the single token's output everywhere (weights sum "
-                    "to 1 over the keys), lengths 2-8")
+                    f"to 1 over the keys), lengths 2-8{sinks}")
 
 
 def batch_rows_independent(s: Subject):
@@ -252,13 +253,23 @@ def equals_gptmini(s: Subject):
     window = s.spec.window
     if window is not None and not s.spec.window_counts_self:
         window += 1  # gptmini counts the query itself in its window
+    gate = None if s.spec.gate is None else attribute(module, s.spec.gate)
     reference = MultiHeadAttention(
         s.d_in, s.d_out, s.context_length, 0.0, s.num_heads, qkv_bias=q.bias is not None,
         num_kv_heads=k.weight.shape[0] // head_dim, window_size=window, causal=s.spec.causal,
-        backend="explicit")
+        backend="explicit", sinks=s.spec.sinks is not None,
+        gate="none" if gate is None else
+        "elementwise" if gate.weight.shape[0] == s.d_out else "headwise")
     reference = reference.to(device=s.device, dtype=s.dtype).eval()
     for name in BOOK_NAMES:
         getattr(reference, name).load_state_dict(linears[name].state_dict())
+    with torch.no_grad():  # declared sinks and gate: the same values in gptmini's
+        if s.spec.sinks is not None:
+            reference.sinks.copy_(attribute(module, s.spec.sinks))
+        if gate is not None:
+            reference.gate.W_gate.weight.copy_(gate.weight)
+            if gate.bias is not None:
+                reference.gate.W_gate.bias.copy_(gate.bias)
     for b, n in ((1, 1), (1, 2), (1, 3), (2, 5), (2, 8), (2, s.context_length)):
         x = s.inputs(b, n)
         out, expected = s.call(module, x), reference(x)
@@ -376,14 +387,19 @@ def book_numbers(s: Subject):
     if s.spec.positions is not None:
         raise NotApplicable("positions declared: the book's numbers are for attention without "
                             "positions (and its heads of size 1 cannot be rotated)")
+    if s.spec.gate is not None:
+        raise NotApplicable("a gate declared: the book's attention has none, and a gate "
+                            "changes its numbers by design (equals_gptmini checks it)")
     module = s.build(d_in=3, d_out=2, context_length=6, num_heads=2, seed=123, window=False,
-                     dtype=torch.float32)
-    order = [name.rsplit(".", 1)[0] for name, _ in module.named_parameters()]
+                     dtype=torch.float32, sinks=False)
+    order = [name.rsplit(".", 1)[0] for name, _ in module.named_parameters()
+             if name != s.spec.sinks]  # declared sinks, at -inf: no sinks
     if list(dict.fromkeys(order)) != list(BOOK_NAMES):
         raise NotApplicable(f"its parameters are created in another order ({', '.join(order)}) "
                             "than the book's W_query, W_key, W_value, out_proj, so "
                             "torch.manual_seed(123) does not give the book's weights", loud=True)
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()
+              if name != s.spec.sinks}
     book_shapes = {"W_query.weight": (2, 3), "W_key.weight": (2, 3), "W_value.weight": (2, 3),
                    "out_proj.weight": (2, 2), "out_proj.bias": (2,)}
     if shapes != book_shapes:

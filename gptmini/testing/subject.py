@@ -46,6 +46,18 @@ class AttentionSpec:
     """Heads (default 2): passed as num_heads, or declares how many a factory without that
     argument builds (then a leak names its head, and equals_gptmini can run)."""
 
+    sinks: str | None = None
+    """The module's attribute holding its attention sinks, (num_heads,) logits in each
+    head's softmax denominator (gpt-oss's; gptmini's is "sinks"). The kit sets them to
+    seeded random values, so every check runs with sinks that take weight; the checks that
+    need weights summing to 1 (identical_tokens, book_numbers) set them to -inf, which is
+    no sink; equals_gptmini gives gptmini's the same. None: no sinks declared."""
+    gate: str | None = None
+    """The module's attribute holding its output gate's linear layer (gptmini's is
+    "gate.W_gate"): sigmoid(x W) times each head's output before out_proj, d_in -> d_out
+    (elementwise, Qwen3-Next's) or d_in -> num_heads (headwise). equals_gptmini gives
+    gptmini's gate the same weights. None: no gate declared."""
+
     def __post_init__(self):
         if self.padding_marks not in ("real", "pad"):
             raise ValueError(f"padding_marks must be 'real' or 'pad', got "
@@ -103,8 +115,9 @@ class Subject:
         return {k: v for k, v in values.items() if self.takes(k)}
 
     def build(self, *, dropout: float = 0.0, seed: int = 0, window: bool = True,
-              dtype: torch.dtype | None = None, **sizes) -> nn.Module:
-        """The module, seeded, in eval mode, in the kit's dtype and device.
+              dtype: torch.dtype | None = None, sinks: bool = True, **sizes) -> nn.Module:
+        """The module, seeded, in eval mode, in the kit's dtype and device; declared sinks
+        (AttentionSpec.sinks) random, or with `sinks=False` at -inf (none).
 
         Raises:
             NotApplicable: the target takes no dropout (and dropout > 0 was asked).
@@ -118,6 +131,11 @@ class Subject:
         module = self.target(**kwargs)
         if not isinstance(module, nn.Module):
             raise TypeError(f"it built a {type(module).__name__}, not an nn.Module")
+        if self.spec.sinks is not None:
+            with torch.no_grad():
+                held = attribute(module, self.spec.sinks)
+                held.copy_(torch.randn(held.shape, generator=torch.Generator().manual_seed(seed))
+                           if sinks else torch.full(held.shape, -torch.inf))
         return module.to(device=self.device, dtype=dtype or self.dtype).eval()
 
     def inputs(self, b: int, n: int, seed: int = 1, scale: float = 1.0) -> Tensor:
@@ -173,6 +191,17 @@ class Subject:
     def atol(self) -> float:
         """What "unchanged" means: float64 exact to 1e-9, float32 to 1e-5, half types 2e-2."""
         return {torch.float64: 1e-9, torch.float32: 1e-5}.get(self.dtype, 2e-2)
+
+
+def attribute(module: nn.Module, path: str):
+    """`module`'s attribute at a dotted `path` ("gate.W_gate"), or a ValueError naming it."""
+    found = module
+    for part in path.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"the module has no {path!r} (declared in AttentionSpec); name "
+                             "the attribute that holds it")
+        found = getattr(found, part)
+    return found
 
 
 def one_line(err: Exception, limit: int = 160) -> str:

@@ -10,6 +10,9 @@ with queries (b, num_heads, num_tokens, head_dim), keys and values
 the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it applies in
 whichever form it wants (`dense()`, `block_mask()`, `tile_plan(tile)`). A kernel with no
 attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
+A kernel that adds attention sinks (gptmini.attention.sinks) says so with
+`has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
+a module with sinks refuses a kernel without them, by name.
 
 A backend is named three ways, and which one a name means never depends on what was
 imported before:

@@ -5,11 +5,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptmini.attention.masks import apply_score_mod
+from gptmini.attention.sinks import softmax_with_sinks
 
 
 def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
-                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                       dropout_p: float = 0.0, *, sinks: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
     """Scores, in-place -inf fill, softmax, dropout, as the book's Listing 3.5.
+
+    With `sinks` (num_heads,), each head's sink logit joins the softmax's denominator
+    (gptmini.attention.sinks), and the weights sum to less than 1.
 
     Returns:
         The output (b, num_heads, num_tokens, head_dim) and the attention weights
@@ -30,8 +35,11 @@ def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
     if allowed is not None:
         attn_scores.masked_fill_(~allowed, -torch.inf)
     # In float32 or wider (bf16 rounding in a softmax costs accuracy; float64 stays).
-    attn_weights = torch.softmax(attn_scores / divisor, dim=-1,
-                                 dtype=torch.promote_types(attn_scores.dtype, torch.float32))
+    wide = torch.promote_types(attn_scores.dtype, torch.float32)
+    if sinks is None:
+        attn_weights = torch.softmax(attn_scores / divisor, dim=-1, dtype=wide)
+    else:
+        attn_weights = softmax_with_sinks(attn_scores / divisor, sinks, wide)
     empty = context.empty_rows()
     if empty is not None:
         attn_weights = attn_weights.masked_fill(empty[:, None, :, None], 0.0)
@@ -43,7 +51,8 @@ class ExplicitKernel:
     """The book's path (see `explicit_attention`)."""
 
     has_dropout = True
+    has_sinks = True
 
     def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
-                 dropout_p: float = 0.0) -> Tensor:
-        return explicit_attention(queries, keys, values, context, dropout_p)[0]
+                 dropout_p: float = 0.0, *, sinks: Tensor | None = None) -> Tensor:
+        return explicit_attention(queries, keys, values, context, dropout_p, sinks=sinks)[0]

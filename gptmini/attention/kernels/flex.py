@@ -7,32 +7,43 @@ import torch
 from torch import Tensor
 
 from gptmini.attention.kernels.sdpa import SdpaKernel
+from gptmini.attention.sinks import rescale_by_lse
 
 
 class FlexKernel:
     """`flex_attention`, compiled (set GPTMINI_COMPILE_FLEX=0 for the eager one: the same
     math, no compiling). torch 2.13 has no FlexAttention backward on CPU, so on CPU it serves
     evaluation and generation and refuses training. A call with a KV cache runs on SDPA:
-    one block mask and one compile per cached length would not pay."""
+    one block mask and one compile per cached length would not pay. Sinks rescale flex's
+    output by its log-sum-exp (gptmini.attention.sinks)."""
 
     has_dropout = False
+    has_sinks = True
 
     def __init__(self):
         self._sdpa = SdpaKernel()
 
     def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
-                 dropout_p: float = 0.0) -> Tensor:
+                 dropout_p: float = 0.0, *, sinks: Tensor | None = None) -> Tensor:
         if context.uses_cache:
-            return self._sdpa(queries, keys, values, context, dropout_p)
+            return self._sdpa(queries, keys, values, context, dropout_p, sinks=sinks)
         if queries.requires_grad and queries.device.type == "cpu":
             raise ValueError(
                 "the flex attention backend has no backward pass on CPU (torch's FlexAttention "
                 "runs forward only there): evaluate or generate with flex on CPU, and train "
                 "with the sdpa, explicit or tiled backend, or on a GPU"
             )
-        return _flex_attention(queries)(queries, keys, values, block_mask=context.block_mask(),
-                                        score_mod=context.score_mod,
-                                        enable_gqa=keys.shape[1] != queries.shape[1])
+        flex = _flex_attention(queries)
+        gqa = keys.shape[1] != queries.shape[1]
+        if sinks is None:
+            return flex(queries, keys, values, block_mask=context.block_mask(),
+                        score_mod=context.score_mod, enable_gqa=gqa)
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex(queries, keys, values, block_mask=context.block_mask(),
+                        score_mod=context.score_mod, enable_gqa=gqa,
+                        return_aux=AuxRequest(lse=True))
+        return rescale_by_lse(out, aux.lse, sinks)
 
 
 def _flex_attention(queries: Tensor):

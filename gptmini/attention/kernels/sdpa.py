@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptmini.attention.kernels.explicit import explicit_attention
+from gptmini.attention.sinks import sdpa_with_sinks
 
 
 class SdpaKernel:
@@ -11,16 +12,21 @@ class SdpaKernel:
     `is_causal=True` and no mask, so flash kernels stay eligible on GPUs; any other mask
     goes as the context's dense boolean mask, and an additive score modifier (ALiBi) with
     it as one float bias. SDPA has no hook for other modifiers (soft-capping): with one,
-    this kernel computes the scores itself, as the explicit path does."""
+    this kernel computes the scores itself, as the explicit path does. Sinks are one more
+    key and value, both zero, whose bias is the sink (gptmini.attention.sinks)."""
 
     has_dropout = True
+    has_sinks = True
 
     def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
-                 dropout_p: float = 0.0) -> Tensor:
+                 dropout_p: float = 0.0, *, sinks: Tensor | None = None) -> Tensor:
         gqa = keys.shape[1] != queries.shape[1]
         mod = context.score_mod
         if mod is not None and not getattr(mod, "additive", False):
-            return explicit_attention(queries, keys, values, context, dropout_p)[0]
+            return explicit_attention(queries, keys, values, context, dropout_p,
+                                      sinks=sinks)[0]
+        if sinks is not None:
+            return sdpa_with_sinks(queries, keys, values, context, dropout_p, sinks)
         if mod is not None:
             bias = context.float_mask(queries.shape[1], queries.dtype)
             return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,

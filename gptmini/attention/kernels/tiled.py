@@ -41,7 +41,7 @@ __all__ = ["TiledKernel", "tiled_attention"]
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None, *,
                     tile: int = 256, skip_tiles: bool = True,
                     plan: tuple[Tensor, Tensor] | None = None,
-                    score_mod: ScoreMod | None = None) -> Tensor:
+                    score_mod: ScoreMod | None = None, sinks: Tensor | None = None) -> Tensor:
     """softmax(q kᵀ / sqrt(head_dim), masked) v, one tile of queries and keys at a time.
 
     Args:
@@ -58,11 +58,14 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None
         score_mod: (score, b, h, q_idx, kv_idx) -> score on each tile's scaled scores
             (ALiBi, soft-capping: gptmini.attention.masks), before the mask; tiles are still
             skipped by the mask alone.
+        sinks: (num_heads,) each head's sink logit in the softmax's denominator
+            (gptmini.attention.sinks): every row's online softmax starts from it, m = sink
+            and l = 1, so no tile is needed for it; None: no sinks.
 
     Returns:
         (b, num_heads, num_tokens, head_dim); a query with no key to attend gets zeros.
     """
-    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles, plan, score_mod)
+    return _TiledAttention.apply(q, k, v, mask, tile, skip_tiles, plan, score_mod, sinks)
 
 
 class _Tiles:
@@ -111,7 +114,7 @@ class _Tiles:
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, tile, skip_tiles, known_plan, score_mod):
+    def forward(ctx, q, k, v, mask, tile, skip_tiles, known_plan, score_mod, sinks):
         plan = _Tiles(mask, q.shape[0], q.shape[2], k.shape[2], tile, skip_tiles, q.device,
                       known_plan, score_mod)
         wide = torch.promote_types(q.dtype, torch.float32)  # softmax sums in float32 or wider
@@ -122,6 +125,9 @@ class _TiledAttention(torch.autograd.Function):
             rows = plan.rows(i)
             m = torch.full(lse[..., rows].shape, -torch.inf, dtype=wide, device=q.device)
             l = torch.zeros_like(m)  # noqa: E741 - the paper's name for the running sum
+            if sinks is not None:  # the sink's term first: exp(sink - m) = 1, no value
+                m = sinks.detach().to(wide).view(1, -1, 1).expand_as(m).clone()
+                l = torch.ones_like(m)  # noqa: E741
             acc = torch.zeros(*m.shape, q.shape[-1], dtype=wide, device=q.device)
             for j in torch.nonzero(plan.some[i]).flatten().tolist():
                 cols = plan.cols(j)
@@ -141,13 +147,13 @@ class _TiledAttention(torch.autograd.Function):
             out[:, :, rows] = torch.where(seen[..., None], acc / l.clamp_min(1e-30)[..., None],
                                           0.0).to(q.dtype)
             lse[..., rows] = torch.where(seen, m + torch.log(l), -torch.inf)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plan, scale, wide = ctx.plan, ctx.scale, lse.dtype
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         dk = torch.zeros(k.shape, dtype=wide, device=q.device)
@@ -179,7 +185,14 @@ class _TiledAttention(torch.autograd.Function):
                     ds = torch.autograd.grad(s, raw, ds)[0]
                 dq[:, :, rows] += (ds @ k_j) * scale
                 dk[:, :, cols] += (ds.transpose(-1, -2) @ q_i) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        d_sinks = None
+        if sinks is not None:
+            # The sink's weight P_s = exp(sink - lse) and its dP_s = dO . 0 = 0, so
+            # dsink = sum over rows of P_s * (0 - delta), per head.
+            p_sink = torch.exp(sinks.to(wide).view(1, -1, 1) - lse)  # (b, h, n)
+            d_sinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                d_sinks)
 
 
 class TiledKernel:
@@ -187,15 +200,16 @@ class TiledKernel:
     tile plan (built once per forward pass for all layers). No attention dropout."""
 
     has_dropout = False
+    has_sinks = True
 
     def __init__(self, tile: int = 256):
         self.tile = tile
         """Queries and keys per tile (256 was fastest of 128/256/512 at 4k tokens here)."""
 
     def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
-                 dropout_p: float = 0.0) -> Tensor:
+                 dropout_p: float = 0.0, *, sinks: Tensor | None = None) -> Tensor:
         group = queries.shape[1] // keys.shape[1]
         return tiled_attention(queries, keys.repeat_interleave(group, dim=1),
                                values.repeat_interleave(group, dim=1), context.mask,
                                tile=self.tile, plan=context.tile_plan(self.tile),
-                               score_mod=context.score_mod)
+                               score_mod=context.score_mod, sinks=sinks)
