@@ -205,3 +205,44 @@ def test_config_refuses_mla_sizes_without_the_rank_and_gqa_with_it():
         tiny_config(n_kv_heads=2)
     with pytest.raises(ValueError, match="mla_qk_rope_head_dim.*even"):
         tiny_config(mla_qk_rope_head_dim=3)
+
+
+def latent_cache_step(module, x_new, cache):
+    """The kit's kv_step: MLA's own cache (latents and rotary keys) across calls."""
+    cache = KVCache() if cache is None else cache
+    return module(x_new, kv_cache=cache), cache
+
+
+@pytest.mark.parametrize("absorb", [None, True, False])
+def test_conformance_kit_passes_with_padding_window_cache_and_positions(absorb):
+    """The kit's properties, MLA's cache among them: stepping through the latent cache (plain
+    or absorbed) equals attending over the whole input; rotary scores are relative."""
+    from gptmini.testing import AttentionSpec, check_attention
+
+    def mla(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, window_size=None):
+        head_dim = d_out // num_heads
+        return MultiHeadLatentAttention(
+            d_in, context_length, dropout, num_heads, kv_lora_rank=2 * head_dim + 2,
+            qk_nope_head_dim=head_dim, qk_rope_head_dim=2, v_head_dim=head_dim,
+            qkv_bias=qkv_bias, window_size=window_size, absorb=absorb,
+            position_scheme=RotaryPositions(head_dim=2))
+
+    spec = AttentionSpec(padding="attention_mask", window=3, positions="positions",
+                         kv_step=latent_cache_step)
+    report = check_attention(mla, spec)
+    assert report.passed, str(report)
+    ran = {r.name for r in report.results if r.status == "passed"}
+    assert {"causality", "padding", "window", "kv_cache", "relative_positions"} <= ran
+
+
+def test_page_inspection_shows_its_weights_and_the_engine_refuses_it_by_name():
+    from gptmini.analysis.inspection import inspect_text
+    from gptmini.generate.engine import Engine
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config())
+    seen = inspect_text(model, [1, 5, 9, 2])
+    assert seen.weights.shape == (2, 4, 4, 4)  # (n_layers, n_heads, num_tokens, num_keys)
+    torch.testing.assert_close(seen.weights.sum(-1), torch.ones(2, 4, 4))
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        Engine(model)
