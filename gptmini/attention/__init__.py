@@ -1,6 +1,7 @@
 """Attention: the book's `MultiHeadAttention` (Listing 3.5) and everything it attends with.
 
     multihead.py  the module: projections, the call into a kernel
+    latent.py     multi-head latent attention (DeepSeek-V2/V3): a cache of latents
     kv_cache.py   the KV-cache interface and the contiguous KVCache
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
                   with the layers' `AttentionSettings`
@@ -18,7 +19,8 @@ Imports only torch.
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
 from gptmini.attention.kv_cache import BaseKVCache, KVCache
+from gptmini.attention.latent import MultiHeadLatentAttention
 from gptmini.attention.multihead import MultiHeadAttention
 
 __all__ = ["AttentionContext", "AttentionSettings", "BaseKVCache", "KVCache",
-           "MultiHeadAttention", "Ragged"]
+           "MultiHeadAttention", "MultiHeadLatentAttention", "Ragged"]

@@ -112,9 +112,25 @@ class GPTConfig:
     """A sigmoid gate from the block's input on each head's output, before out_proj
     (Qwen3-Next's gated attention): none, headwise (one per head) or elementwise (one per
     output channel, Qwen3-Next's)."""
+    # Multi-head latent attention (DeepSeek-V2/V3), issue 37: on when mla_kv_lora_rank is set.
+    mla_kv_lora_rank: int | None = None
+    """Multi-head latent attention (gptmini.attention.latent): keys and values come from one
+    latent of this width per token, which with a shared rotary key is all the KV cache
+    holds; None: multi-head attention."""
+    mla_q_lora_rank: int | None = None
+    """With MLA, compress the query through a latent of this width (DeepSeek-V3's 1536);
+    None: a full query projection."""
+    mla_qk_nope_head_dim: int | None = None
+    """With MLA, a head's query/key part without positions; None: emb_dim // n_heads."""
+    mla_qk_rope_head_dim: int | None = None
+    """With MLA, the decoupled rotary part of queries and keys (rotated when position is
+    "rope"); None: half of emb_dim // n_heads."""
+    mla_v_head_dim: int | None = None
+    """With MLA, a head's value size; None: emb_dim // n_heads."""
 
     def __post_init__(self):
         self._check_shape()
+        self._check_mla()
         self._check_options()
 
     def _need(self, ok: bool, field: str, fix: str) -> None:
@@ -154,6 +170,41 @@ class GPTConfig:
                  f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), "
                  "or None for no padding")
 
+    def _check_mla(self) -> None:
+        """Multi-head latent attention's sizes: set only with mla_kv_lora_rank, positive."""
+        names = ("mla_kv_lora_rank", "mla_q_lora_rank", "mla_qk_nope_head_dim",
+                 "mla_qk_rope_head_dim", "mla_v_head_dim")
+        if self.mla_kv_lora_rank is None:
+            for name in names[1:]:
+                self._need(getattr(self, name) is None, name,
+                           "it sizes multi-head latent attention: set mla_kv_lora_rank too "
+                           "(e.g. 4 * emb_dim // n_heads), or leave it None")
+            return
+        for name in names:
+            value = getattr(self, name)
+            self._need(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                         and value >= 1), name,
+                       "use a positive integer, or None for the default")
+        self._need(self.mla_dims["qk_rope_head_dim"] % 2 == 0 or self.position != "rope",
+                   "mla_qk_rope_head_dim", "rotary dimensions turn in pairs: use an even size")
+        self._need(self.n_kv_heads is None, "n_kv_heads",
+                   "multi-head latent attention shares its latent across heads already: "
+                   "leave n_kv_heads None with mla_kv_lora_rank")
+        self._need(not self.qk_norm, "qk_norm", "multi-head latent attention normalizes its "
+                   "latents instead: leave qk_norm False with mla_kv_lora_rank")
+
+    @property
+    def mla_dims(self) -> dict:
+        """Multi-head latent attention's sizes, defaults filled in, under DeepSeek's names
+        (MultiHeadLatentAttention's keywords); {} without MLA."""
+        if self.mla_kv_lora_rank is None:
+            return {}
+        head_dim = self.emb_dim // self.n_heads
+        return {"kv_lora_rank": self.mla_kv_lora_rank, "q_lora_rank": self.mla_q_lora_rank,
+                "qk_nope_head_dim": self.mla_qk_nope_head_dim or head_dim,
+                "qk_rope_head_dim": self.mla_qk_rope_head_dim or max(2, head_dim // 2),
+                "v_head_dim": self.mla_v_head_dim or head_dim}
+
     def _check_options(self) -> None:
         """The named choices: kernel, position scheme (which checks its own constraints),
         norm, MLP, soft-cap."""
@@ -184,7 +235,11 @@ class GPTConfig:
     def position_scheme(self) -> PositionScheme:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);
         `GPTModel` builds one and hands it to every layer."""
-        return SCHEMES[self.position].from_config(self)
+        scheme = SCHEMES[self.position].from_config(self)
+        if self.mla_kv_lora_rank is not None and hasattr(scheme, "head_dim"):
+            # MLA rotates only its decoupled rotary part of each query and key
+            scheme = replace(scheme, head_dim=self.mla_dims["qk_rope_head_dim"])
+        return scheme
 
     @property
     def hidden_dim(self) -> int:

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
+from gptmini.attention import (
+    BaseKVCache,
+    KVCache,
+    MultiHeadAttention,
+    MultiHeadLatentAttention,
+)
 from gptmini.attention.context import AttentionContext, Ragged
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import PositionScheme
@@ -74,13 +79,26 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def latent_attention(cfg: GPTConfig, position_scheme: PositionScheme | None = None
+                     ) -> MultiHeadLatentAttention:
+    """A block's multi-head latent attention (cfg.mla_kv_lora_rank is set), with the
+    model's position scheme (None: a new one of cfg's)."""
+    return MultiHeadLatentAttention(
+        cfg.emb_dim, cfg.context_length,
+        cfg.drop_rate if cfg.attn_drop_rate is None else cfg.attn_drop_rate, cfg.n_heads,
+        **cfg.mla_dims, qkv_bias=cfg.qkv_bias, window_size=cfg.window_size,
+        backend=cfg.attention_backend, position_scheme=position_scheme or cfg.position_scheme(),
+        out_bias=cfg.bias, softcap=cfg.attn_softcap)
+
+
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `position_scheme` is
     the model's, shared by every block (None: a new one of cfg's)."""
 
     def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None):
         super().__init__()
-        self.att = MultiHeadAttention(
+        mla = cfg.mla_kv_lora_rank is not None  # multi-head latent attention (issue 37)
+        self.att = latent_attention(cfg, position_scheme) if mla else MultiHeadAttention(
             d_in=cfg.emb_dim,
             d_out=cfg.emb_dim,
             context_length=cfg.context_length,

@@ -119,7 +119,7 @@ class _TiledAttention(torch.autograd.Function):
                       known_plan, score_mod)
         wide = torch.promote_types(q.dtype, torch.float32)  # softmax sums in float32 or wider
         scale = q.shape[-1] ** -0.5
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # values may be narrower (MLA)
         lse = torch.full(q.shape[:-1], -torch.inf, dtype=wide, device=q.device)  # (b, h, n)
         for i in range(plan.some.shape[0]):
             rows = plan.rows(i)
@@ -128,7 +128,7 @@ class _TiledAttention(torch.autograd.Function):
             if sinks is not None:  # the sink's term first: exp(sink - m) = 1, no value
                 m = sinks.detach().to(wide).view(1, -1, 1).expand_as(m).clone()
                 l = torch.ones_like(m)  # noqa: E741
-            acc = torch.zeros(*m.shape, q.shape[-1], dtype=wide, device=q.device)
+            acc = torch.zeros(*m.shape, v.shape[-1], dtype=wide, device=q.device)
             for j in torch.nonzero(plan.some[i]).flatten().tolist():
                 cols = plan.cols(j)
                 s = plan.scores(q, k, i, j, scale, wide)

@@ -62,6 +62,12 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 32,
                  max_step_tokens: int | None = None, prefix_caching: bool = True):
+        if getattr(model.cfg, "mla_kv_lora_rank", None) is not None:
+            # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
+            raise ValueError(
+                "the engine cannot serve multi-head latent attention yet "
+                "(GPTConfig.mla_kv_lora_rank): its paged KV blocks hold per-head keys and "
+                "values, not latents; generate with gptmini.generate.generate instead")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch

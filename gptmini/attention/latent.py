@@ -1,0 +1,281 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 and V3): keys and values compressed jointly
+into one small latent per token, plus one rotary key shared by every head.
+
+Letters in the shape comments (those of gptmini.attention.multihead, and):
+    rank        kv_lora_rank: the latent's width, all a token's keys and values come from
+    nope_dim    qk_nope_head_dim: the part of a head's query and key with no position
+    rope_dim    qk_rope_head_dim: the decoupled rotary part (one key for all heads)
+    v_dim       v_head_dim: a head's value size
+
+Per token, the layer computes a latent c = RMSNorm(W_dkv x) (rank) and a rotary key
+k_rot = rope(W_kr x) (rope_dim). A head's key is [W_uk_h c, k_rot] and its value W_uv_h c:
+both are up-projections of the latent (`kv_b_proj` holds W_uk and W_uv of every head).
+The KV cache therefore holds only c and k_rot, (rank + rope_dim) numbers per token and
+layer, where multi-head attention holds 2 * num_heads * head_dim (the cache's `keys` are
+the latents, its `values` the rotary keys; any BaseKVCache holds them).
+
+Two equal ways to attend (DeepSeek-V2, section 2.1.2):
+    plain      expand every cached latent into keys and values, attend as multi-head
+               attention does (training and prefill: the expansion is paid once per token)
+    absorbed   fold W_uk into the query (q_h W_uk_h, rank wide) and W_uv into the output,
+               and attend over the latents themselves as one shared key/value head: no
+               cached token is ever expanded (decoding: the query is one token)
+
+Both give the same output (tests/attention/test_latent.py checks it in float64). Parameter
+names are Hugging Face's DeepseekV3Attention's, except `out_proj` (its o_proj), the name
+every gptmini attention gives the projection into the residual stream.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from gptmini.attention.context import AttentionContext, AttentionSettings
+from gptmini.attention.kernels import backend_name, explicit_attention, make_kernel
+from gptmini.attention.kv_cache import BaseKVCache
+from gptmini.attention.norm import RMSNorm
+from gptmini.attention.positions import NoPositions, PositionScheme
+
+__all__ = ["MultiHeadLatentAttention", "latent_cache_numbers"]
+
+
+def latent_cache_numbers(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Numbers cached per token and layer by MLA: the latent and the rotary key."""
+    return kv_lora_rank + qk_rope_head_dim
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, through gptmini's context, kernels and caches.
+
+    Args:
+        d_in: the input's (residual stream's) width; the output has the same.
+        context_length: most positions one call may cover (cached + new).
+        dropout: on the attention weights.
+        num_heads: query heads (every head has its own key and value, expanded from the
+            shared latent).
+        kv_lora_rank: the latent's width.
+        qk_nope_head_dim: a head's query/key part without positions.
+        qk_rope_head_dim: the decoupled rotary part (the position scheme rotates it when
+            it is rotary: its head_dim must be this).
+        v_head_dim: a head's value size.
+        q_lora_rank: compress the query too (DeepSeek-V3: 1536), through an RMSNorm'd
+            latent of this width; None: one full query projection.
+        qkv_bias: a bias in the down-projections (Hugging Face's attention_bias).
+        window_size, causal, backend, position_scheme, softcap: as MultiHeadAttention's.
+        out_bias: a bias in out_proj.
+        norm_eps: the latents' RMSNorm epsilon (DeepSeek's 1e-6).
+        absorb: True: always attend absorbed; False: always plain; None (default): absorbed
+            when decoding from a cache that already holds tokens, plain otherwise.
+    """
+
+    # As many parameters as the options a reader sets (DeepSeek's five sizes among them).
+    def __init__(
+        self,
+        d_in: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        qkv_bias: bool = False,
+        window_size: int | None = None,
+        causal: bool = True,
+        backend: str | type = "sdpa",
+        position_scheme: PositionScheme | None = None,
+        out_bias: bool = False,
+        softcap: float | None = None,
+        norm_eps: float = 1e-6,
+        absorb: bool | None = None,
+    ):
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
+                            ("qk_nope_head_dim", qk_nope_head_dim),
+                            ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim),
+                            ("q_lora_rank", 1 if q_lora_rank is None else q_lora_rank)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MultiHeadLatentAttention's {name} must be a positive "
+                                 f"integer, got {value!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.num_heads, self.context_length = num_heads, context_length
+        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        scheme = NoPositions() if position_scheme is None else position_scheme
+        if getattr(scheme, "head_dim", qk_rope_head_dim) != qk_rope_head_dim:
+            raise ValueError(f"the position scheme rotates {scheme.head_dim} dimensions but "
+                             f"MLA's rotary key has qk_rope_head_dim={qk_rope_head_dim}; build "
+                             "the scheme with head_dim=qk_rope_head_dim")
+        self.settings = AttentionSettings(causal, window_size, scheme, softcap)
+        self.backend = backend  # builds self.kernel
+        self.absorb = absorb
+
+        q_out = num_heads * self.qk_head_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(d_in, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_in, q_lora_rank, bias=qkv_bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        # x -> [latent, rotary key]: "with_mqa" as DeepSeek names it (one key for all heads)
+        self.kv_a_proj_with_mqa = nn.Linear(d_in, kv_lora_rank + qk_rope_head_dim,
+                                            bias=qkv_bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps)
+        # latent -> [W_uk_h c, W_uv_h c] for every head h; no bias, so that it can be absorbed
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
+                                   bias=False)
+        self.out_proj = nn.Linear(num_heads * v_head_dim, d_in, bias=out_bias)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def backend(self) -> str | type:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: str | type):
+        self.kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+        self._backend = backend
+
+    def forward(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        document_ids: Tensor | None = None,
+        kv_cache: BaseKVCache | None = None,
+        return_weights: bool = False,
+        context: AttentionContext | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend over `x` (and the cached tokens before it); the arguments and the result
+        are MultiHeadAttention.forward's. The cache is handed latents (b, 1, num_tokens,
+        rank) as keys and rotary keys (b, 1, num_tokens, rope_dim) as values."""
+        b, num_tokens, _ = x.shape
+        num_cached = len(kv_cache) if kv_cache is not None else 0
+        context = self._context(x, context, num_cached, kv_cache is not None, attention_mask,
+                                document_ids, positions)
+        if self.q_lora_rank is None:
+            queries = self.q_proj(x)  # (b, num_tokens, num_heads * qk_head_dim)
+        else:
+            queries = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # (b, num_tokens, num_heads, qk_head_dim) -> (b, num_heads, num_tokens, qk_head_dim)
+        queries = queries.view(b, num_tokens, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = queries.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim],
+                                                         dim=-1)
+        latent = self.kv_a_layernorm(latent)[:, None]  # (b, 1, num_tokens, rank)
+        k_rot = k_rot[:, None]  # (b, 1, num_tokens, rope_dim): one head, shared
+        q_rot, k_rot = self.settings.position_scheme.rotate(q_rot, k_rot, context)
+        if kv_cache is not None:  # (b, 1, num_keys, rank), (b, 1, num_keys, rope_dim)
+            latent, k_rot = kv_cache.update(latent, k_rot, context.positions)
+
+        absorb = self.absorb if self.absorb is not None else (
+            kv_cache is not None and num_cached > 0)
+        if absorb:
+            context_vec, weights = self._absorbed(q_nope, q_rot, latent, k_rot, context,
+                                                  return_weights)
+        else:
+            context_vec, weights = self._plain(q_nope, q_rot, latent, k_rot, context,
+                                               return_weights)
+        # (b, num_heads, num_tokens, v_dim) -> (b, num_tokens, num_heads * v_dim)
+        context_vec = context_vec.transpose(1, 2).reshape(b, num_tokens, -1)
+        out = self.out_proj(context_vec)
+        empty_rows = context.empty_rows()  # (b, num_tokens) or None
+        if empty_rows is not None:
+            out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
+        return (out, weights) if return_weights else out
+
+    def _plain(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor,
+               context: AttentionContext, return_weights: bool):
+        """Every latent expanded into each head's key and value, then attended."""
+        b, _, num_keys, _ = latent.shape
+        kv = self.kv_b_proj(latent[:, 0])  # (b, num_keys, num_heads * (nope_dim + v_dim))
+        # (b, num_keys, num_heads, nope_dim + v_dim) -> (b, num_heads, num_keys, ...)
+        kv = kv.view(b, num_keys, self.num_heads, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        # (b, num_heads, num_keys, qk_head_dim): the rotary key is the same for every head
+        keys = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        queries = torch.cat([q_nope, q_rot], dim=-1)
+        return self._attend(queries, keys, values, context, return_weights)
+
+    def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor,
+                  context: AttentionContext, return_weights: bool):
+        """Attention over the latents: q_nope_h . (W_uk_h c) = (W_uk_h^T q_nope_h) . c, and
+        softmax(.) (W_uv_h c) = W_uv_h (softmax(.) c), so the keys are [c, k_rot] and the
+        values c, one head shared by all (multi-query attention, rank + rope_dim wide)."""
+        # (num_heads, nope_dim + v_dim, rank): each head's W_uk above its W_uv
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                       self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent = torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk)  # (b, num_heads, n, rank)
+        # Kernels scale scores by 1/sqrt(the query's width), here rank + rope_dim; the
+        # scores must be scaled as the plain path's, by 1/sqrt(nope_dim + rope_dim).
+        width = self.kv_lora_rank + self.rope_dim
+        queries = torch.cat([q_latent, q_rot], dim=-1) * math.sqrt(width / self.qk_head_dim)
+        keys = torch.cat([latent, k_rot], dim=-1)  # (b, 1, num_keys, rank + rope_dim)
+        context_vec, weights = self._attend(queries, keys, latent, context, return_weights)
+        # (b, num_heads, num_tokens, rank) -> (b, num_heads, num_tokens, v_dim)
+        return torch.einsum("bhnr,hvr->bhnv", context_vec, w_uv), weights
+
+    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, context: AttentionContext,
+                return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """The kernel's output, or with `return_weights` the explicit path's and its weights
+        (MultiHeadAttention's dispatch: the same checks, the same engine layout)."""
+        dropout_p = self.dropout.p if self.training else 0.0
+        ragged = context.ragged
+        if ragged is not None:  # one row per sequence for attention, then packed again
+            if return_weights:
+                raise ValueError("return_weights needs one sequence per row; an engine "
+                                 "step's packed sequences have no such weights")
+            queries, context = ragged.unpack(queries), ragged.context
+        if return_weights:
+            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
+        else:
+            if dropout_p > 0 and not self.kernel.has_dropout:
+                raise ValueError(
+                    f"the {backend_name(self.backend)} attention backend has no attention "
+                    f"dropout, and this module is training with dropout {dropout_p}: set the "
+                    "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
+                    "explicit backend")
+            context_vec, weights = self.kernel(queries, keys, values, context, dropout_p), None
+        if ragged is not None:
+            context_vec = ragged.pack(context_vec)
+        return context_vec, weights
+
+    def _context(self, x: Tensor, context: AttentionContext | None, num_cached: int,
+                 uses_cache: bool, attention_mask: Tensor | None, document_ids: Tensor | None,
+                 positions: Tensor | None) -> AttentionContext:
+        """The given context, checked against this call and layer, or one built here."""
+        b, num_tokens, _ = x.shape
+        if context is not None and context.ragged is not None:
+            num_cached = context.num_keys - num_tokens  # an engine step checks its lengths
+        elif num_cached + num_tokens > self.context_length:
+            raise ValueError(
+                f"attention got {num_cached + num_tokens} positions but context_length is "
+                f"{self.context_length}; crop the input to its last {self.context_length} "
+                "tokens")
+        if context is None:
+            return AttentionContext.build(
+                b, num_tokens, num_cached, settings=self.settings, attention_mask=attention_mask,
+                document_ids=document_ids, uses_cache=uses_cache, positions=positions,
+                device=x.device)
+        if attention_mask is not None or document_ids is not None or positions is not None:
+            raise ValueError("pass attention_mask, document_ids and positions to "
+                             "AttentionContext.build, not beside a context that holds them")
+        if (context.batch, context.num_tokens, context.num_keys) != (
+                b, num_tokens, num_cached + num_tokens):
+            raise ValueError(
+                f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
+                f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
+                f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
+        if context.settings != self.settings:
+            raise ValueError(
+                f"the context was built with {context.settings}, but this layer has "
+                f"{self.settings}; build it with the layer's settings (GPTModel.new_context "
+                "does)")
+        return context
