@@ -62,6 +62,12 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 32,
                  max_step_tokens: int | None = None, prefix_caching: bool = True):
+        if "deltanet" in (model.cfg.layer_kinds or ()):
+            raise ValueError(
+                "the engine cannot serve Gated DeltaNet layers yet (GPTConfig.layer_kinds "
+                f"{model.cfg.layer_kinds}): its paged blocks hold keys and values, not a "
+                "layer's fixed state; generate with generate.py --prompt (no --chat, no "
+                "--batch-file) or gptmini.generate.loop.generate")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch
