@@ -155,3 +155,27 @@ def test_equals_transformers_qwen3_next_gated_deltanet(key_heads):
         steps = [ours(x[:, :65], state=state)]
         steps += [ours(x[:, t : t + 1], state=state) for t in range(65, 70)]
         torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-4, atol=1e-5)
+
+
+# --- the conformance kit ---------------------------------------------------------------------
+
+def kit_step(module, x, state):
+    state = state or DeltaNetState()
+    return module(x, state=state), state
+
+
+def test_the_kit_passes_it_as_linear_attention():
+    from gptmini.testing import AttentionSpec, check_attention
+
+    spec = AttentionSpec(d_in=8, num_heads=2, padding="attention_mask", kv_step=kit_step,
+                         softmax=False)
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), spec)
+    assert report.passed, str(report)
+    for name in ("causality", "padding", "kv_cache", "batch_rows_independent"):
+        assert report[name].status == "passed", str(report)
+    assert report["identical_tokens"].status == "not applicable"  # no softmax mean
+    # a state that is not handed on between calls is caught
+    forgetful = AttentionSpec(d_in=8, num_heads=2, softmax=False,
+                              kv_step=lambda m, x, s: kit_step(m, x, None))
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), forgetful)
+    assert report["kv_cache"].status == "failed", str(report)
