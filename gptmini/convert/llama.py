@@ -53,7 +53,8 @@ QK_NORM_EPS = 1e-6
 """gptmini's QK-norm epsilon; Qwen3 uses its one rms_norm_eps there too, so a model exports
 as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
-         "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None}
+         "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
+         "layer_kinds": None}
 """The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
 
 

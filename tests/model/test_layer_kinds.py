@@ -101,3 +101,13 @@ def test_trains_one_step_and_keeps_old_checkpoints_loading():
     old = {k: v for k, v in GPTConfig(n_layers=2, emb_dim=16, n_heads=2).to_dict().items()
            if k != "layer_kinds"}
     assert GPTConfig(**old).layer_kinds is None
+
+
+def test_export_to_hugging_face_layouts_is_refused_naming_layer_kinds():
+    from gptmini.convert.gpt2 import config_to_hf as config_to_gpt2
+    from gptmini.convert.llama import config_to_llama
+
+    with pytest.raises(ValueError, match="layer_kinds"):
+        config_to_llama(hybrid().cfg)
+    with pytest.raises(ValueError, match="layer_kinds"):
+        config_to_gpt2(hybrid(position="learned", norm="layernorm", mlp="gelu").cfg)
