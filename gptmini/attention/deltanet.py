@@ -27,8 +27,11 @@ Two forms compute the same thing:
                in sequence: training and prefill
 
 The layer's cache is its state (`DeltaNetState`): S per head and the convolution's last
-`conv_kernel - 1` inputs, a fixed size whatever the length. Left padding is exact: a padded
-position's input is zeroed, so it writes nothing (k = v = 0) into a state that is still zero.
+`conv_kernel - 1` inputs, a fixed size whatever the length. A padded position (attention
+mask 0) neither writes nor forgets: its input is zeroed (k = v = 0), and its beta and its
+log-decay g too, so the state passes it unchanged. Left padding is then exact; so is padding
+on the right or between calls, except that the convolution's window still counts a padded
+position as an input of zero.
 Imports only torch.
 """
 
@@ -253,6 +256,9 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.W_beta(x)).transpose(1, 2).to(wide)  # (b, num_heads, n)
         g = (-self.A_log.to(wide).exp()
              * F.softplus(self.W_decay(x).to(wide) + self.dt_bias)).transpose(1, 2)
+        if attention_mask is not None:  # a padded position neither writes nor forgets
+            keep = attention_mask[:, None, :].to(wide)  # (b, 1, num_tokens)
+            beta, g = beta * keep, g * keep
         before = None if state is None else state.recurrent
         if before is not None and num_tokens == 1:
             out, after = recurrent_delta_rule(q, k, v, g, beta, before)

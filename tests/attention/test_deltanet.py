@@ -102,6 +102,16 @@ def test_left_padding_is_exact():
     torch.testing.assert_close(layer(padded, mask)[:, 3:], layer(x), rtol=1e-12, atol=1e-12)
 
 
+def test_right_padding_leaves_the_state_as_the_real_tokens_left_it():
+    layer = make_layer(conv_kernel=1)  # (a padded input still fills a convolution's window)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    padded, alone = DeltaNetState(), DeltaNetState()
+    layer(x[:, :6], state=alone)
+    layer(torch.cat([x[:, :6], torch.randn(1, 3, 16, dtype=torch.float64)], dim=1),
+          torch.tensor([[1] * 6 + [0] * 3]), state=padded)
+    torch.testing.assert_close(padded.recurrent, alone.recurrent, rtol=1e-12, atol=1e-12)
+
+
 def test_the_state_refuses_to_drop_tokens():
     with pytest.raises(ValueError, match="slide='recompute'"):
         DeltaNetState().drop_oldest(1)
