@@ -116,6 +116,8 @@ class AttentionContext:
         self.mask = settings.mask(self.num_tokens, num_keys, attention_mask, document_ids)
         self.score_mod = settings.score_mod(self.device)
         self.padded = attention_mask is not None  # only padding can leave a query no key
+        # as given, for layers that read them as tensors (Gated DeltaNet zeroes padding)
+        self.attention_mask, self.document_ids = attention_mask, document_ids
         # the mask reads padding or document tensors
         self.data_dependent = attention_mask is not None or document_ids is not None
         self.uses_cache, self.rows_alike, self.ragged = uses_cache, rows_alike, ragged

@@ -302,6 +302,10 @@ def _check_slide(model: nn.Module, slide: str, use_cache: bool) -> None:
         raise ValueError(f"slide must be 'recompute' or 'roll', got {slide!r}")
     if slide == "recompute":
         return
+    kinds = getattr(getattr(model, "cfg", None), "layer_kinds", None) or ()
+    if "deltanet" in kinds:
+        raise ValueError("slide='roll' drops the oldest cached tokens, which a Gated DeltaNet "
+                         "layer's state (GPTConfig.layer_kinds) cannot: use slide='recompute'")
     scheme = getattr(model, "position_scheme", None)  # a GPTModel's
     if not use_cache or not getattr(scheme, "relative", False):
         relative = " or ".join(name for name, kind in SCHEMES.items() if kind.relative)

@@ -9,10 +9,11 @@ from gptmini.attention import kernels
 from gptmini.attention.gate import GATES
 from gptmini.attention.positions import SCHEMES, PositionScheme
 
-__all__ = ["GPT_CONFIG_124M", "ConfigError", "GPTConfig", "MLPS", "NORMS", "PRESETS",
-           "is_finite_number"]
+__all__ = ["GPT_CONFIG_124M", "LAYER_KINDS", "ConfigError", "GPTConfig", "MLPS", "NORMS",
+           "PRESETS", "is_finite_number"]
 
 NORMS = ("layernorm", "rmsnorm")
+LAYER_KINDS = ("attention", "deltanet")
 MLPS = ("gelu", "swiglu", "relu2")
 
 # The book's configuration dictionary, field for field.
@@ -127,6 +128,12 @@ class GPTConfig:
     "rope"); None: half of emb_dim // n_heads."""
     mla_v_head_dim: int | None = None
     """With MLA, a head's value size; None: emb_dim // n_heads."""
+    # Linear attention (issue 37): Gated DeltaNet layers mixed with attention layers.
+    layer_kinds: list[str] | None = None
+    """Each layer's token mixer, one of LAYER_KINDS per layer: "attention" (the book's) or
+    "deltanet" (Gated DeltaNet, gptmini.attention.deltanet: a fixed-size state instead of a
+    KV cache). Qwen3-Next's 3:1 is ["deltanet", "deltanet", "deltanet", "attention"] repeated;
+    None: attention everywhere."""
 
     def __post_init__(self):
         self._check_shape()
@@ -231,6 +238,17 @@ class GPTConfig:
                               "use a finite positive cap such as 50, or None for no cap")
         need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
         need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
+        if self.layer_kinds is not None:
+            kinds = self.layer_kinds
+            need(isinstance(kinds, list | tuple) and len(kinds) == self.n_layers
+                 and all(kind in LAYER_KINDS for kind in kinds), "layer_kinds",
+                 f"use a list of n_layers={self.n_layers} names, each one of "
+                 f"{', '.join(LAYER_KINDS)} (e.g. Qwen3-Next's 3:1: deltanet, deltanet, "
+                 "deltanet, attention), or None for attention everywhere")
+
+    def layer_kind(self, index: int) -> str:
+        """The token mixer of layer `index`: "attention" or "deltanet"."""
+        return "attention" if self.layer_kinds is None else self.layer_kinds[index]
 
     def position_scheme(self) -> PositionScheme:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);

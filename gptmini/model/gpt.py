@@ -23,12 +23,13 @@ from gptmini.attention import (
     MultiHeadAttention,
     MultiHeadLatentAttention,
 )
-from gptmini.attention.context import AttentionContext, Ragged
+from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
+from gptmini.attention.deltanet import DeltaNetState, GatedDeltaNet
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import PositionScheme
 from gptmini.model.config import GPTConfig
 
-__all__ = ["GPTModel", "TransformerBlock", "cross_entropy"]
+__all__ = ["DeltaNetBlock", "GPTModel", "TransformerBlock", "cross_entropy"]
 
 class FeedForward(nn.Module):
     """Position-wise MLP: emb_dim -> 4 * emb_dim -> emb_dim with GELU (tanh approximation),
@@ -139,6 +140,46 @@ class TransformerBlock(nn.Module):
         return (x, weights) if return_weights else x
 
 
+class DeltaNetBlock(nn.Module):
+    """A block whose token mixer is Gated DeltaNet (gptmini.attention.deltanet) instead of
+    attention, for GPTConfig.layer_kinds: x + mix(norm1(x)), then x + ff(norm2(x)). Its
+    cache is a `DeltaNetState`; positions do not enter it (the convolution and the decay
+    order the tokens)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        # Held as `att`, the attention's name, so that the model's init and every
+        # state-dict key outside the mixer read as a TransformerBlock's.
+        self.att = GatedDeltaNet(cfg.emb_dim, cfg.n_heads, cfg.emb_dim // cfg.n_heads,
+                                 norm_eps=cfg.norm_eps)
+        self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
+        self.norm1 = make_norm(cfg)
+        self.norm2 = make_norm(cfg)
+        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+
+    def forward(self, x: Tensor, context: AttentionContext | None = None,
+                kv_cache: DeltaNetState | None = None, return_weights: bool = False) -> Tensor:
+        """x (b, num_tokens, emb_dim) through the block; of `context` it reads the padding
+        (left padding is zeroed: exact) and refuses what it cannot do yet."""
+        if return_weights:
+            raise ValueError("a Gated DeltaNet layer has no attention weights to return")
+        if kv_cache is not None and not isinstance(kv_cache, DeltaNetState):
+            raise ValueError(f"a Gated DeltaNet layer keeps a DeltaNetState, not a "
+                             f"{type(kv_cache).__name__}; make the caches with "
+                             "model.new_kv_caches()")
+        mask = None
+        if context is not None:
+            if context.ragged is not None or context.document_ids is not None:
+                raise ValueError(
+                    "Gated DeltaNet layers (GPTConfig.layer_kinds) cannot yet restart their "
+                    "state inside a row: no packed documents (document_ids) and no engine "
+                    "steps; train without packing, generate with generate()")
+            if context.attention_mask is not None:  # (b, num_keys): the new tokens' part
+                mask = context.attention_mask[:, -x.shape[1]:]
+        x = x + self.drop_shortcut(self.att(self.norm1(x), mask, kv_cache))
+        return x + self.drop_shortcut(self.ff(self.norm2(x)))
+
+
 def _rename_book_norms(module, state_dict, prefix, *args):
     """Load the book's chapter 4/5 GPTModel state dicts (`torch.save(model.state_dict())`):
     its LayerNorm names its parameters `scale` and `shift` where nn.LayerNorm has `weight`
@@ -162,9 +203,16 @@ class GPTModel(nn.Module):
         if pos_emb is not None:  # held under the book's name, which its state dicts use
             self.pos_emb = pos_emb
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, self.position_scheme)
-                                         for _ in range(cfg.n_layers)])
-        self.attention_settings = self.trf_blocks[0].att.settings  # what contexts are built with
+        self.trf_blocks = nn.ModuleList([
+            DeltaNetBlock(cfg) if cfg.layer_kind(i) == "deltanet"
+            else TransformerBlock(cfg, self.position_scheme) for i in range(cfg.n_layers)])
+        # what contexts are built with: the attention layers' (a model of DeltaNet layers
+        # only builds them for positions, with the settings its attention would have)
+        self.attention_settings = next(
+            (block.att.settings for block in self.trf_blocks
+             if isinstance(block, TransformerBlock)),
+            AttentionSettings(window_size=cfg.window_size, position_scheme=self.position_scheme,
+                              softcap=cfg.attn_softcap))
         self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
         self.apply(self._init_weights)
@@ -242,6 +290,10 @@ class GPTModel(nn.Module):
             with `return_weights` the list of weights; or, with targets, the float32 loss.
         """
         context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
+        if return_weights and self.cfg.layer_kinds and "deltanet" in self.cfg.layer_kinds:
+            mixers = [i for i, kind in enumerate(self.cfg.layer_kinds) if kind == "deltanet"]
+            raise ValueError(f"layers {mixers} are Gated DeltaNet layers (cfg.layer_kinds): "
+                             "they have no attention weights to return")
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
@@ -327,9 +379,11 @@ class GPTModel(nn.Module):
         model's attention masks (see `gptmini.attention.context.Ragged`)."""
         return Ragged(num_new, num_cached, self.attention_settings, device=device)
 
-    def new_kv_caches(self) -> list[KVCache]:
-        """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
-        return [KVCache() for _ in self.trf_blocks]
+    def new_kv_caches(self) -> list[KVCache | DeltaNetState]:
+        """Empty caches, one per layer, for `forward(..., kv_caches=...)`: a KVCache per
+        attention layer, a DeltaNetState (fixed size) per Gated DeltaNet layer."""
+        return [DeltaNetState() if isinstance(block, DeltaNetBlock) else KVCache()
+                for block in self.trf_blocks]
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:

@@ -147,6 +147,9 @@ def sees_itself(s: Subject):
 
 
 def identical_tokens(s: Subject):
+    if not s.spec.softmax:
+        raise NotApplicable("declared linear attention (softmax=False): a repeated token "
+                            "writes its state again, so no mean to compare with")
     module = s.build(sinks=False)  # a sink takes weight by design: at -inf it is none
     one = s.inputs(1, 1)
     single = s.call(module, one)
@@ -228,6 +231,9 @@ def _book_linears(module: nn.Module) -> dict[str, nn.Module]:
 def equals_gptmini(s: Subject):
     from gptmini.attention import MultiHeadAttention
 
+    if not s.spec.softmax:
+        raise NotApplicable("declared linear attention (softmax=False): not the book's "
+                            "softmax attention, which this compares with")
     if s.spec.positions is not None:
         raise NotApplicable("positions declared: attention that moves its queries and keys by "
                             "position is not the book's, which this compares with (the scale "

@@ -144,6 +144,8 @@ def describe(subject: Subject) -> str:
         declared.append("KV cache")
     if s.positions is not None:
         declared.append(f"positions via {s.positions!r}")
+    if not s.softmax:
+        declared.append("linear attention (no softmax)")
     return (f"{constructor}, d_in={subject.d_in}, d_out={subject.d_out}, num_heads={heads}, "
             f"context_length={subject.context_length}, "
             f"{str(subject.dtype).removeprefix('torch.')} on {subject.device}; "

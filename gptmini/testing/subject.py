@@ -45,6 +45,10 @@ class AttentionSpec:
     num_heads: int | None = None
     """Heads (default 2): passed as num_heads, or declares how many a factory without that
     argument builds (then a leak names its head, and equals_gptmini can run)."""
+    softmax: bool = True
+    """True: each output is a softmax-weighted mean of values. False: linear attention with
+    a recurrent state (gptmini.attention.deltanet's Gated DeltaNet), whose output is not:
+    identical_tokens and equals_gptmini do not apply, every other check does."""
 
     sinks: str | None = None
     """The module's attribute holding its attention sinks, (num_heads,) logits in each

@@ -68,6 +68,12 @@ class Engine:
                 "the engine cannot serve multi-head latent attention yet "
                 "(GPTConfig.mla_kv_lora_rank): its paged KV blocks hold per-head keys and "
                 "values, not latents; generate with gptmini.generate.generate instead")
+        if "deltanet" in (model.cfg.layer_kinds or ()):
+            raise ValueError(
+                "the engine cannot serve Gated DeltaNet layers yet (GPTConfig.layer_kinds "
+                f"{model.cfg.layer_kinds}): its paged blocks hold keys and values, not a "
+                "layer's fixed state; generate with generate.py --prompt (no --chat, no "
+                "--batch-file) or gptmini.generate.loop.generate")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch
