@@ -1,7 +1,7 @@
 """Attention: the book's `MultiHeadAttention` (Listing 3.5) and everything it attends with.
 
     multihead.py  the module: projections, the call into a kernel
-    kv_cache.py   the KV-cache interface and the contiguous KVCache
+    kv_cache.py   the KV-cache interface, the contiguous KVCache and a window's WindowKVCache
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
                   with the layers' `AttentionSettings`
     norm.py       RMSNorm (the QK-norm's and the model's): torch's result, fast on a CPU
@@ -14,8 +14,8 @@ Imports only torch.
 """
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
-from gptmini.attention.kv_cache import BaseKVCache, KVCache
+from gptmini.attention.kv_cache import BaseKVCache, KVCache, WindowKVCache
 from gptmini.attention.multihead import MultiHeadAttention
 
 __all__ = ["AttentionContext", "AttentionSettings", "BaseKVCache", "KVCache",
-           "MultiHeadAttention", "Ragged"]
+           "MultiHeadAttention", "Ragged", "WindowKVCache"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
+from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, WindowKVCache
 from gptmini.attention.context import AttentionContext, Ragged
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import PositionScheme
@@ -76,9 +76,11 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `position_scheme` is
-    the model's, shared by every block (None: a new one of cfg's)."""
+    the model's, shared by every block (None: a new one of cfg's); `layer` is the block's
+    index, which picks its window (GPTConfig.window_of)."""
 
-    def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None):
+    def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None,
+                 layer: int = 0):
         super().__init__()
         self.att = MultiHeadAttention(
             d_in=cfg.emb_dim,
@@ -88,7 +90,7 @@ class TransformerBlock(nn.Module):
             num_heads=cfg.n_heads,
             qkv_bias=cfg.qkv_bias,
             num_kv_heads=cfg.n_kv_heads,
-            window_size=cfg.window_size,
+            window_size=cfg.window_of(layer),
             backend=cfg.attention_backend,
             position_scheme=position_scheme or cfg.position_scheme(),
             qk_norm=cfg.qk_norm,
@@ -142,8 +144,8 @@ class GPTModel(nn.Module):
         if pos_emb is not None:  # held under the book's name, which its state dicts use
             self.pos_emb = pos_emb
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, self.position_scheme)
-                                         for _ in range(cfg.n_layers)])
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, self.position_scheme, i)
+                                         for i in range(cfg.n_layers)])
         self.attention_settings = self.trf_blocks[0].att.settings  # what contexts are built with
         self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
@@ -308,8 +310,10 @@ class GPTModel(nn.Module):
         return Ragged(num_new, num_cached, self.attention_settings, device=device)
 
     def new_kv_caches(self) -> list[KVCache]:
-        """Empty caches, one per layer, for `forward(..., kv_caches=...)`."""
-        return [KVCache() for _ in self.trf_blocks]
+        """Empty caches, one per layer, for `forward(..., kv_caches=...)`: a windowed
+        layer's holds only its window (`WindowKVCache`)."""
+        windows = (block.att.settings.window_size for block in self.trf_blocks)
+        return [KVCache() if w is None else WindowKVCache(w) for w in windows]
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
