@@ -85,6 +85,13 @@ class KVCache(BaseKVCache):
     def __repr__(self) -> str:
         return f"KVCache(num_cached={self._len})"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers holding keys and values, spare capacity included (what the
+        cache costs in memory)."""
+        return sum(0 if t is None else t.untyped_storage().nbytes()
+                   for t in (self._keys, self._values))
+
     def update(self, keys: Tensor, values: Tensor,
                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # positions are kept only while every token's is known
@@ -121,9 +128,13 @@ class KVCache(BaseKVCache):
             self._positions = self._positions[:, n:]
         self._len -= n
 
+    def _capacity(self, needed: int) -> int:
+        """Tokens of a new buffer for `needed`: doubling, so appends cost O(1) amortized."""
+        return max(needed, 2 * self._len, 64)
+
     def _grow(self, needed: int):
-        # (b, num_kv_heads, capacity, head_dim), capacity doubling: O(1) amortized appends
-        capacity = max(needed, 2 * self._len, 64)
+        # (b, num_kv_heads, capacity, head_dim)
+        capacity = self._capacity(needed)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
@@ -140,10 +151,10 @@ class WindowKVCache(KVCache):
     all a next query can see besides itself (Gemma 3's and gpt-oss's local layers).
 
     `len(cache)` still counts every token seen, so positions continue; `update` returns
-    the held tokens and the new ones, and attention masks over just those. Memory stays
-    within about twice the window: what falls out is dropped as a view, and the buffer is
-    copied to a fresh one (of 2 x window, or 64 tokens at least) when an append outgrows it,
-    once per window of appends; a long prompt's keys are copied out at once.
+    the held tokens and the new ones, and attention masks over just those. Its buffer holds
+    the window and a quarter more (16 tokens at least): what falls out is dropped as a
+    view, and when an append outgrows the buffer the held tokens are copied to a fresh one;
+    a long prompt's keys are copied out at once.
     """
 
     def __init__(self, window: int):
@@ -165,12 +176,6 @@ class WindowKVCache(KVCache):
         """Tokens whose keys and values are held (at most window - 1)."""
         return self._len
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffers holding keys and values (what the window costs)."""
-        return sum(0 if t is None else t.untyped_storage().nbytes()
-                   for t in (self._keys, self._values))
-
     def update(self, keys: Tensor, values: Tensor,
                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         keys, values = super().update(keys, values, positions)
@@ -181,6 +186,11 @@ class WindowKVCache(KVCache):
             if excess > self.keep and not torch.is_grad_enabled():
                 self._grow(self._len)  # a long prompt's buffer: keep a window-sized copy
         return keys, values
+
+    def _capacity(self, needed: int) -> int:
+        # the window and a quarter more (16 tokens at least): the held tokens are copied
+        # to a fresh buffer once per that many appends, a few tokens' copy per append
+        return max(needed, self.keep + max(self.keep // 4, 16))
 
     def drop_oldest(self, n: int) -> None:
         """Forget the `n` oldest tokens seen (slide="roll"): those no longer held first."""

@@ -103,8 +103,8 @@ def test_a_windowed_layers_cache_holds_only_its_window_and_equals_recompute(pref
 
 
 def test_a_window_cache_stays_window_sized_over_a_long_generation():
-    """Its buffers stay within max(2 x window, 64) tokens whatever the length, where a
-    full layer's grow with it."""
+    """Its buffers stay within the window and a quarter more (16 tokens at least) whatever
+    the length, where a full layer's grow with it."""
     torch.manual_seed(2)
     window = 40
     cfg = local_global(context_length=600, layer_windows=[window, None, window, None])
@@ -115,7 +115,7 @@ def test_a_window_cache_stays_window_sized_over_a_long_generation():
         for _ in range(200):
             model(torch.randint(0, 64, (1, 1)), kv_caches=caches)
     per_token = 2 * 16 * 4  # keys and values, emb_dim float32 values each
-    assert caches[0].nbytes <= max(2 * window, 64) * per_token
+    assert caches[0].nbytes <= (window - 1 + max((window - 1) // 4, 16)) * per_token
     assert caches[1].keys.shape[2] == 500
 
 
