@@ -167,3 +167,25 @@ def test_a_layer_sees_a_context_of_other_layers_window_through_its_own():
     full = MultiHeadAttention(8, 8, 16, 0.0, 2).eval()
     full.load_state_dict(local.state_dict())
     assert not torch.allclose(full(x, context=glob), local(x))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
+def test_every_kernel_equals_explicit_with_layer_windows(backend):
+    """Logits of a local/global model on each kernel equal the explicit path's, left-padded
+    and with a KV cache's second call (each layer's own window in each kernel's form)."""
+    torch.manual_seed(7)
+    explicit = GPTModel(local_global(attention_backend="explicit")).eval()
+    model = GPTModel(local_global(attention_backend=backend)).eval()
+    model.load_state_dict(explicit.state_dict())
+    ids = torch.randint(0, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, mask)[0, 3:], explicit(ids, mask)[0, 3:],
+                                   atol=1e-5, rtol=1e-5)
+        got, want = model.new_kv_caches(), explicit.new_kv_caches()
+        model(ids[:, :7], mask[:, :7], kv_caches=got)
+        explicit(ids[:, :7], mask[:, :7], kv_caches=want)
+        torch.testing.assert_close(model(ids[:, 7:], mask, kv_caches=got),
+                                   explicit(ids[:, 7:], mask, kv_caches=want),
+                                   atol=1e-5, rtol=1e-5)
