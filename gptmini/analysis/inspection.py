@@ -31,13 +31,27 @@ class TextInspection:
     weights: Tensor
     """(n_layers, n_heads, num_tokens, num_tokens) float32: query i's weights in row i."""
     allowed: Tensor
-    """(num_tokens, num_tokens) bool: True where the mask lets query i see key j."""
+    """(num_tokens, num_tokens) bool: True where the mask lets query i see key j (with
+    local/global layers: where some layer's does)."""
     top_ids: Tensor
     """(num_tokens, top) the most likely next tokens after each position, most likely first."""
     top_logprobs: Tensor
     """(num_tokens, top) their log-probabilities (temperature 1)."""
     token_logprobs: list[float | None]
     """The log-probability of each token given the ones before it (None for the first)."""
+
+
+def _allowed(model: nn.Module, num_tokens: int, device) -> Tensor | None:
+    """(1, 1, num_tokens, num_tokens) where the mask lets a query see a key, or None for
+    every key; with local/global layers (GPTConfig.layer_windows), where some layer may (a
+    local layer's weights are 0 past its window)."""
+    context = model.new_context(1, num_tokens, device=device)
+    if model.cfg.layer_windows is None:
+        return context.dense()
+    per_layer = [context.for_layer(block.att.settings).dense() for block in model.trf_blocks]
+    if any(allowed is None for allowed in per_layer):
+        return None
+    return torch.stack(per_layer).any(dim=0)
 
 
 @torch.no_grad()
@@ -57,7 +71,7 @@ def inspect_text(model: nn.Module, ids: list[int], *, top: int = 10) -> TextInsp
         device = next(model.parameters()).device
         idx = torch.tensor([ids], device=device)  # (1, num_tokens)
         logits, weights = model(idx, return_weights=True)
-        allowed = model.new_context(1, len(ids), device=device).dense()
+        allowed = _allowed(model, len(ids), device)
     finally:
         model.train(was_training)
     num_tokens = len(ids)

@@ -2,7 +2,7 @@
 
     multihead.py  the module: projections, the call into a kernel
     latent.py     multi-head latent attention (DeepSeek-V2/V3): a cache of latents
-    kv_cache.py   the KV-cache interface and the contiguous KVCache
+    kv_cache.py   the KV-cache interface, the contiguous KVCache and a window's WindowKVCache
     context.py    `AttentionContext`: positions and mask of one forward pass, built once
                   with the layers' `AttentionSettings`
     norm.py       RMSNorm (the QK-norm's and the model's): torch's result, fast on a CPU
@@ -19,9 +19,9 @@ Imports only torch.
 """
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
-from gptmini.attention.kv_cache import BaseKVCache, KVCache
+from gptmini.attention.kv_cache import BaseKVCache, KVCache, WindowKVCache
 from gptmini.attention.latent import MultiHeadLatentAttention
 from gptmini.attention.multihead import MultiHeadAttention
 
 __all__ = ["AttentionContext", "AttentionSettings", "BaseKVCache", "KVCache",
-           "MultiHeadAttention", "MultiHeadLatentAttention", "Ragged"]
+           "MultiHeadAttention", "MultiHeadLatentAttention", "Ragged", "WindowKVCache"]

@@ -29,7 +29,7 @@ which attention reads them one sequence per row (see `Ragged`).
 """
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -121,6 +121,7 @@ class AttentionContext:
         # the mask reads padding or document tensors
         self.data_dependent = attention_mask is not None or document_ids is not None
         self.uses_cache, self.rows_alike, self.ragged = uses_cache, rows_alike, ragged
+        self._per_key = (attention_mask, document_ids)  # for a layer's own view (for_layer)
         self._forms: dict = {}
 
     @classmethod
@@ -168,6 +169,37 @@ class AttentionContext:
         return cls(positions, num_keys, settings or AttentionSettings(),
                    attention_mask=attention_mask, document_ids=document_ids,
                    uses_cache=uses_cache, rows_alike=rows_alike, ragged=ragged)
+
+    def for_layer(self, settings: AttentionSettings, num_keys: int | None = None
+                  ) -> "AttentionContext":
+        """This pass as a layer with its own window sees it (a model of local and global
+        layers, GPTConfig.layer_windows), over only the last `num_keys` keys (a windowed
+        layer's KV cache holds only its window); kept for every layer that asks the same.
+
+        Raises:
+            ValueError: `settings` differ from this context's in more than the window.
+        """
+        num_keys = self.num_keys if num_keys is None else num_keys
+        if settings == self.settings and num_keys == self.num_keys:
+            return self
+        if replace(settings, window_size=self.settings.window_size) != self.settings:
+            raise ValueError(
+                f"the context was built with {self.settings}, but this layer has {settings}; "
+                "build it with the layer's settings (settings=layer.settings; "
+                "GPTModel.new_context does): layers may differ in their window only")
+        if not self.num_tokens <= num_keys <= self.num_keys:
+            raise ValueError(f"a layer's view keeps the last num_keys of {self.num_keys} keys "
+                             f"and all {self.num_tokens} new ones; got num_keys={num_keys}")
+
+        def view():
+            attention_mask, document_ids = (None if t is None else t[:, -num_keys:]
+                                            for t in self._per_key)
+            return AttentionContext(self.positions, num_keys, settings,
+                                    attention_mask=attention_mask, document_ids=document_ids,
+                                    uses_cache=self.uses_cache, rows_alike=self.rows_alike,
+                                    ragged=self.ragged)
+
+        return self.once(("layer", settings.window_size, num_keys), view)
 
     @property
     def plain_causal(self) -> bool:
@@ -290,6 +322,12 @@ class Ragged:
         self.context = AttentionContext.build(
             len(num_new), longest_new, self.num_keys - longest_new, settings=settings,
             attention_mask=self.key_index >= 0, uses_cache=True)
+
+    def context_for(self, settings: AttentionSettings) -> AttentionContext:
+        """The per-sequence context as a layer with `settings` (its own window) sees it."""
+        if settings == self.context.settings:
+            return self.context
+        return self.context.for_layer(settings)
 
     def new_of(self, per_key: Tensor) -> Tensor:
         """(num_seqs, num_keys) values per key -> (total_new,) those of the new tokens, in

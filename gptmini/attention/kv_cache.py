@@ -1,6 +1,7 @@
 """The KV cache: what attention needs of one (`BaseKVCache`: the contiguous `KVCache` here
-and the engine's paged view, gptmini.generate.engine.paged.PagedView), and the contiguous
-cache of one attention layer, grown by doubling.
+and the engine's paged view, gptmini.generate.engine.paged.PagedView), the contiguous
+cache of one attention layer, grown by doubling, and `WindowKVCache`, a sliding-window
+layer's, which holds only its window.
 
 Shapes: keys and values (b, num_kv_heads, num_keys, head_dim), positions (b, num_keys).
 """
@@ -10,16 +11,18 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-__all__ = ["BaseKVCache", "KVCache"]
+__all__ = ["BaseKVCache", "KVCache", "WindowKVCache"]
 
 
 class BaseKVCache(ABC):
     """What attention needs of a KV cache: the contiguous `KVCache` and the engine's
     paged view (gptmini.generate.engine.paged.PagedView) both are one.
 
-    `len(cache)` counts the tokens held before this call's new ones; `update` stores the
-    new tokens' keys, values and positions and returns every key and value the call
-    attends to, (b, num_kv_heads, num_keys, head_dim); `positions` (b, num_keys) are the
+    `len(cache)` counts the tokens seen before this call's new ones (the new ones' positions
+    continue from it); `update` stores the new tokens' keys, values and positions and
+    returns every key and value the call attends to, (b, num_kv_heads, num_keys, head_dim),
+    the last num_keys of everything seen (fewer than len + new only for a cache that holds
+    a window: attention then masks over those); `positions` (b, num_keys) are the
     positions of the keys it returned last (of everything it holds).
     """
 
@@ -82,6 +85,13 @@ class KVCache(BaseKVCache):
     def __repr__(self) -> str:
         return f"KVCache(num_cached={self._len})"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers holding keys and values, spare capacity included (what the
+        cache costs in memory)."""
+        return sum(0 if t is None else t.untyped_storage().nbytes()
+                   for t in (self._keys, self._values))
+
     def update(self, keys: Tensor, values: Tensor,
                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # positions are kept only while every token's is known
@@ -118,9 +128,13 @@ class KVCache(BaseKVCache):
             self._positions = self._positions[:, n:]
         self._len -= n
 
+    def _capacity(self, needed: int) -> int:
+        """Tokens of a new buffer for `needed`: doubling, so appends cost O(1) amortized."""
+        return max(needed, 2 * self._len, 64)
+
     def _grow(self, needed: int):
-        # (b, num_kv_heads, capacity, head_dim), capacity doubling: O(1) amortized appends
-        capacity = max(needed, 2 * self._len, 64)
+        # (b, num_kv_heads, capacity, head_dim)
+        capacity = self._capacity(needed)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
@@ -130,3 +144,58 @@ class KVCache(BaseKVCache):
             old = self._positions
             self._positions = old.new_empty(old.shape[0], capacity)
             self._positions[:, : self._len] = old[:, : self._len]
+
+
+class WindowKVCache(KVCache):
+    """The KV cache of a sliding-window layer: it holds only the `window - 1` newest tokens,
+    all a next query can see besides itself (Gemma 3's and gpt-oss's local layers).
+
+    `len(cache)` still counts every token seen, so positions continue; `update` returns
+    the held tokens and the new ones, and attention masks over just those. Its buffer holds
+    the window and a quarter more (16 tokens at least): what falls out is dropped as a
+    view, and when an append outgrows the buffer the held tokens are copied to a fresh one;
+    a long prompt's keys are copied out at once.
+    """
+
+    def __init__(self, window: int):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        super().__init__()
+        self.window = window
+        self.keep = max(window - 1, 1)  # one at least: positions continue from the newest
+        self._forgotten = 0  # tokens seen but no longer held
+
+    def __len__(self) -> int:
+        return self._forgotten + self._len
+
+    def __repr__(self) -> str:
+        return f"WindowKVCache(window={self.window}, seen={len(self)}, held={self._len})"
+
+    @property
+    def num_held(self) -> int:
+        """Tokens whose keys and values are held (at most window - 1)."""
+        return self._len
+
+    def update(self, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        keys, values = super().update(keys, values, positions)
+        excess = self._len - self.keep
+        if excess > 0:
+            super().drop_oldest(excess)  # views: the keys returned stay valid
+            self._forgotten += excess
+            if excess > self.keep and not torch.is_grad_enabled():
+                self._grow(self._len)  # a long prompt's buffer: keep a window-sized copy
+        return keys, values
+
+    def _capacity(self, needed: int) -> int:
+        # the window and a quarter more (16 tokens at least): the held tokens are copied
+        # to a fresh buffer once per that many appends, a few tokens' copy per append
+        return max(needed, self.keep + max(self.keep // 4, 16))
+
+    def drop_oldest(self, n: int) -> None:
+        """Forget the `n` oldest tokens seen (slide="roll"): those no longer held first."""
+        if n <= 0:
+            return
+        gone = min(n, self._forgotten)
+        self._forgotten -= gone
+        super().drop_oldest(n - gone)

@@ -207,6 +207,9 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             # (b, num_kv_heads, num_keys, head_dim)
             keys, values = kv_cache.update(keys, values, context.positions)
+            if keys.shape[2] < context.num_keys and context.ragged is None:
+                # a WindowKVCache returned its window's keys only: mask over those
+                context = context.for_layer(self.settings, keys.shape[2])
         context_vec, weights = self._attend(queries, keys, values, context, return_weights)
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
@@ -229,7 +232,7 @@ class MultiHeadAttention(nn.Module):
             if return_weights:
                 raise ValueError("return_weights needs one sequence per row; an engine "
                                  "step's packed sequences have no such weights")
-            queries, context = ragged.unpack(queries), ragged.context
+            queries, context = ragged.unpack(queries), ragged.context_for(self.settings)
         sinks = self.sinks
         if return_weights:
             context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p,
@@ -280,11 +283,8 @@ class MultiHeadAttention(nn.Module):
                 f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
                 f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
                 f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
-        if context.settings != self.settings:
-            raise ValueError(
-                f"the context was built with {context.settings}, but this layer has "
-                f"{self.settings}; build it with the layer's settings (settings="
-                "layer.settings; GPTModel.new_context does)")
+        if context.settings != self.settings:  # a layer with its own window, or a mistake
+            return context.for_layer(self.settings)
         return context
 
 

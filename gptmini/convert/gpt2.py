@@ -122,6 +122,8 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         unsupported.append(f"n_kv_heads={cfg.n_kv_heads} (grouped-query attention)")
     if cfg.window_size is not None:
         unsupported.append(f"window_size={cfg.window_size} (sliding-window attention)")
+    if cfg.layer_windows is not None:
+        unsupported.append(f"layer_windows={cfg.layer_windows} (sliding-window attention)")
     book = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "qk_norm": False,
             "bias": True, "attn_softcap": None, "norm_eps": 1e-5, "attn_sinks": False,
             "attn_gate": "none", "layer_kinds": None}

@@ -100,8 +100,7 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
     if qk_norm and norm_eps != QK_NORM_EPS:
         problems.append(f"rms_norm_eps={c['rms_norm_eps']} with QK-norm (gptmini's QK-norm "
                         f"uses {QK_NORM_EPS})")
-    if qk_norm and c.get("use_sliding_window"):
-        problems.append("use_sliding_window (gptmini's windows are not Qwen3's per layer)")
+    layer_windows = _layer_windows(c, sizes["num_hidden_layers"], problems)
     if problems:
         raise ValueError("this Llama config cannot be loaded into GPTModel: "
                          + "; ".join(problems))
@@ -111,9 +110,38 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
         drop_rate=0.0, n_kv_heads=None if kv_heads == heads else kv_heads,
         tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=theta,
         norm_eps=norm_eps, mlp_hidden_dim=sizes["intermediate_size"],
-        qk_norm=qk_norm, **{k: v for k, v in LLAMA.items() if k not in ("qk_norm",
-                                                                          "attn_softcap")},
+        qk_norm=qk_norm, layer_windows=layer_windows,
+        **{k: v for k, v in LLAMA.items() if k not in ("qk_norm", "attn_softcap")},
     )
+
+
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+"""Qwen3's layer_types entries gptmini reads: whether the layer has the sliding window."""
+
+
+def _layer_windows(c: Mapping, n_layers: int, problems: list[str]) -> list[int | None] | None:
+    """GPTConfig.layer_windows of a Qwen3 config: `sliding_window` at its layer_types'
+    "sliding_attention" layers (use_sliding_window on; without layer_types, the layers from
+    max_window_layers on, as transformers reads it), or None: every layer full."""
+    if not c.get("use_sliding_window") or c.get("sliding_window") is None:
+        return None
+    if c.get("model_type") != "qwen3":
+        problems.append(f"use_sliding_window in a {c.get('model_type')!r} config (gptmini "
+                        "reads per-layer windows in Qwen3's layout)")
+        return None
+    window = config_integer(c, "sliding_window", "Qwen3")
+    types = c.get("layer_types")
+    if types is None:
+        first = config_integer(c, "max_window_layers", "Qwen3")
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(n_layers)]
+    if (not isinstance(types, list) or len(types) != n_layers
+            or any(t not in LAYER_TYPES for t in types)):
+        problems.append(f"layer_types={types!r} (gptmini reads a list of num_hidden_layers="
+                        f"{n_layers} entries, each one of {', '.join(LAYER_TYPES)})")
+        return None
+    windows = [window if LAYER_TYPES[t] else None for t in types]
+    return windows if any(windows) else None
 
 
 ROPE_KEYS = ("rope_type", "type", "rope_theta")
@@ -174,7 +202,7 @@ def config_to_llama(cfg: GPTConfig) -> dict:
             f"uses {QK_NORM_EPS}; this model has norm_eps={cfg.norm_eps}. Train with "
             f"--model.norm_eps {QK_NORM_EPS} to export it")
     qwen = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-            "use_sliding_window": False}
+            **_qwen3_windows(cfg)}
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -197,6 +225,27 @@ def config_to_llama(cfg: GPTConfig) -> dict:
         "use_cache": True,
         **(qwen if cfg.qk_norm else {}),
     }
+
+
+def _qwen3_windows(cfg: GPTConfig) -> dict:
+    """config.json's sliding-window entries for cfg.layer_windows (Qwen3 has one window for
+    every sliding layer, and no Llama has any).
+
+    Raises:
+        ValueError: windows without QK-norm (not Qwen3), or windows of different sizes.
+    """
+    if cfg.layer_windows is None:
+        return {"use_sliding_window": False}
+    sizes = sorted({w for w in cfg.layer_windows if w is not None})
+    if not cfg.qk_norm or len(sizes) > 1:
+        raise ValueError(
+            f"layer_windows={cfg.layer_windows} export only in Qwen3's layout, which has "
+            f"QK-norm and one sliding_window for every windowed layer; this model has "
+            f"qk_norm={cfg.qk_norm} and windows {sizes}. Train with --model.qk_norm true and "
+            "one window size (gptmini.model.window_pattern)")
+    return {"use_sliding_window": True, "sliding_window": sizes[0], "max_window_layers": 0,
+            "layer_types": ["full_attention" if w is None else "sliding_attention"
+                            for w in cfg.layer_windows]}
 
 
 def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:

@@ -12,8 +12,9 @@ from gptmini.model.config import (
     ConfigError,
     GPTConfig,
     is_finite_number,
+    window_pattern,
 )
 from gptmini.model.gpt import GPTModel, TransformerBlock, cross_entropy
 
 __all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
-           "GPTModel", "TransformerBlock", "cross_entropy", "is_finite_number"]
+           "GPTModel", "TransformerBlock", "cross_entropy", "is_finite_number", "window_pattern"]

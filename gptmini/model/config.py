@@ -10,7 +10,7 @@ from gptmini.attention.gate import GATES
 from gptmini.attention.positions import SCHEMES, PositionScheme
 
 __all__ = ["GPT_CONFIG_124M", "LAYER_KINDS", "ConfigError", "GPTConfig", "MLPS", "NORMS",
-           "PRESETS", "is_finite_number"]
+           "PRESETS", "is_finite_number", "window_pattern"]
 
 NORMS = ("layernorm", "rmsnorm")
 LAYER_KINDS = ("attention", "deltanet")
@@ -39,6 +39,30 @@ class ConfigError(ValueError):
     def for_flag(self, prefix: str = "--model.") -> str:
         """The message with the field named as the command line's flag."""
         return f"{prefix}{self.field} {self.value!r} is invalid: {self.fix}"
+
+
+def window_pattern(spec: str, window: int, n_layers: int) -> list[int | None]:
+    """GPTConfig.layer_windows for `n_layers` layers of `spec` "local:global": that many
+    layers with a `window`, then that many global ones (None), repeated and cut at n_layers.
+    "5:1" is Gemma 3's (every sixth layer global), "1:1" gpt-oss's alternation (the first
+    layer local).
+
+    Raises:
+        ValueError: a spec not of two non-negative counts, or a window or layer count below 1.
+    """
+    try:
+        local, global_ = (int(part) for part in spec.split(":"))
+    except (AttributeError, ValueError):
+        local = global_ = -1
+    if local < 0 or global_ < 0 or local + global_ == 0:
+        raise ValueError(f"window pattern {spec!r} is invalid: use 'local:global', two "
+                         "counts such as '5:1' (Gemma 3) or '1:1' (gpt-oss)")
+    for name, value in (("window", window), ("n_layers", n_layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"window_pattern's {name}={value!r} is invalid: use a positive "
+                             "integer")
+    period = [window] * local + [None] * global_
+    return [period[i % len(period)] for i in range(n_layers)]
 
 
 def is_finite_number(value: object) -> bool:
@@ -134,6 +158,11 @@ class GPTConfig:
     "deltanet" (Gated DeltaNet, gptmini.attention.deltanet: a fixed-size state instead of a
     KV cache). Qwen3-Next's 3:1 is ["deltanet", "deltanet", "deltanet", "attention"] repeated;
     None: attention everywhere."""
+    # Local/global layer patterns (issue 37): a window per layer.
+    layer_windows: list[int | None] | None = None
+    """A sliding window per layer, None for a layer that sees every key: Gemma 3's five
+    local layers per global one, gpt-oss's alternation (build one with `window_pattern`).
+    A windowed layer's KV cache holds only its window. None: every layer has window_size."""
 
     def __post_init__(self):
         self._check_shape()
@@ -168,6 +197,8 @@ class GPTConfig:
         if self.window_size is not None:
             need(isinstance(self.window_size, int) and self.window_size >= 1, "window_size",
                  "use a positive integer, or None for full causal attention")
+        if self.layer_windows is not None:
+            self._check_layer_windows()
         if self.mlp_hidden_dim is not None:
             need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
                  "mlp_hidden_dim", "use a positive integer, or None for the default")
@@ -211,6 +242,34 @@ class GPTConfig:
                 "qk_nope_head_dim": self.mla_qk_nope_head_dim or head_dim,
                 "qk_rope_head_dim": self.mla_qk_rope_head_dim or max(2, head_dim // 2),
                 "v_head_dim": self.mla_v_head_dim or head_dim}
+    def _check_layer_windows(self) -> None:
+        """One window or None per layer, and no window_size beside them."""
+        windows = self.layer_windows
+        self._need(isinstance(windows, list | tuple) and len(windows) == self.n_layers
+                   and all(w is None or (isinstance(w, int) and not isinstance(w, bool)
+                                         and w >= 1) for w in windows), "layer_windows",
+                   f"use a list of {self.n_layers} entries (n_layers), each a positive window "
+                   "or None for a global layer, e.g. window_pattern('5:1', window=512, "
+                   f"n_layers={self.n_layers}); or None for window_size in every layer")
+        self.layer_windows = list(windows)  # a tuple (or a YAML sequence) saved as a list
+        self._need(self.window_size is None, "window_size",
+                   "use None beside layer_windows (which gives every layer its window)")
+        self._need(self.mla_kv_lora_rank is None, "layer_windows",
+                   "multi-head latent attention has one window for every layer: use "
+                   "window_size with mla_kv_lora_rank, or leave layer_windows None")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0 first), or None: it sees every key."""
+        return self.window_size if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def kv_window(self) -> int | None:
+        """The newest tokens every layer's keys fit in: the widest window, or None where
+        some layer sees every key (what a KV cache shared by the layers must hold, such as
+        the engine's block tables)."""
+        if self.layer_windows is None:
+            return self.window_size
+        return None if None in self.layer_windows else max(self.layer_windows)
 
     def _check_options(self) -> None:
         """The named choices: kernel, position scheme (which checks its own constraints),

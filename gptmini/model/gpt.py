@@ -22,6 +22,7 @@ from gptmini.attention import (
     KVCache,
     MultiHeadAttention,
     MultiHeadLatentAttention,
+    WindowKVCache,
 )
 from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
 from gptmini.attention.deltanet import DeltaNetState, GatedDeltaNet
@@ -94,9 +95,11 @@ def latent_attention(cfg: GPTConfig, position_scheme: PositionScheme | None = No
 
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `position_scheme` is
-    the model's, shared by every block (None: a new one of cfg's)."""
+    the model's, shared by every block (None: a new one of cfg's); `layer` is the block's
+    index, which picks its window (GPTConfig.window_of)."""
 
-    def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None):
+    def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None,
+                 layer: int = 0):
         super().__init__()
         mla = cfg.mla_kv_lora_rank is not None  # multi-head latent attention (issue 37)
         self.att = latent_attention(cfg, position_scheme) if mla else MultiHeadAttention(
@@ -107,7 +110,7 @@ class TransformerBlock(nn.Module):
             num_heads=cfg.n_heads,
             qkv_bias=cfg.qkv_bias,
             num_kv_heads=cfg.n_kv_heads,
-            window_size=cfg.window_size,
+            window_size=cfg.window_of(layer),
             backend=cfg.attention_backend,
             position_scheme=position_scheme or cfg.position_scheme(),
             qk_norm=cfg.qk_norm,
@@ -205,7 +208,7 @@ class GPTModel(nn.Module):
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.ModuleList([
             DeltaNetBlock(cfg) if cfg.layer_kind(i) == "deltanet"
-            else TransformerBlock(cfg, self.position_scheme) for i in range(cfg.n_layers)])
+            else TransformerBlock(cfg, self.position_scheme, i) for i in range(cfg.n_layers)])
         # what contexts are built with: the attention layers' (a model of DeltaNet layers
         # only builds them for positions, with the settings its attention would have)
         self.attention_settings = next(
@@ -381,9 +384,18 @@ class GPTModel(nn.Module):
 
     def new_kv_caches(self) -> list[KVCache | DeltaNetState]:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`: a KVCache per
-        attention layer, a DeltaNetState (fixed size) per Gated DeltaNet layer."""
-        return [DeltaNetState() if isinstance(block, DeltaNetBlock) else KVCache()
-                for block in self.trf_blocks]
+        attention layer (a windowed one's holds only its window: `WindowKVCache`), a
+        DeltaNetState (fixed size) per Gated DeltaNet layer."""
+        return [self._new_cache(block) for block in self.trf_blocks]
+
+    @staticmethod
+    def _new_cache(block: nn.Module) -> KVCache | DeltaNetState:
+        if isinstance(block, DeltaNetBlock):
+            return DeltaNetState()
+        window = block.att.settings.window_size
+        if window is None or not isinstance(block.att, MultiHeadAttention):
+            return KVCache()  # (latent attention masks over every key it is given)
+        return WindowKVCache(window)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:

@@ -58,3 +58,16 @@ def test_an_empty_text_is_refused_and_the_mode_is_restored(tiny_config):
     assert model.training
     with pytest.raises(ValueError, match="encoding must be one of"):
         pack(inspect_text(model, [1, 2]), ENC, "png")
+
+
+def test_local_and_global_layers_show_each_its_own_window():
+    """With layer_windows the page's mask is what some layer may see (causal here), and a
+    local layer's weights are 0 past its window where the global layer's are not."""
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=64, context_length=16, emb_dim=16, n_heads=2,
+                               n_layers=2, drop_rate=0.0, layer_windows=[3, None]))
+    seen = inspect_text(model, list(range(8)))
+    assert torch.equal(seen.allowed, torch.ones(8, 8, dtype=torch.bool).tril())
+    far = torch.ones(8, 8, dtype=torch.bool).tril(-3)  # keys 3 or more positions back
+    assert (seen.weights[0][:, far] == 0).all()
+    assert (seen.weights[1][:, far] > 0).all()

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.attention import KVCache, MultiHeadAttention
+from gptmini.attention import KVCache, MultiHeadAttention, WindowKVCache
 from gptmini.attention.book import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -149,13 +149,19 @@ def gptmini_kv_step(module, x, cache):
     return module(x, kv_cache=cache), cache
 
 
+def window_kv_step(module, x, cache):
+    """A cache holding only the window (WindowKVCache), as a local layer's does."""
+    cache = cache or WindowKVCache(module.settings.window_size)
+    return module(x, kv_cache=cache), cache
+
+
 KIT_VARIANTS = {
     "plain": ({}, AttentionSpec(padding="attention_mask", kv_step=gptmini_kv_step)),
     "gqa": ({"num_kv_heads": 2},
             AttentionSpec(padding="attention_mask", kv_step=gptmini_kv_step, num_heads=4)),
     "mqa": ({"num_kv_heads": 1},
             AttentionSpec(padding="attention_mask", kv_step=gptmini_kv_step, num_heads=4)),
-    "window": ({}, AttentionSpec(padding="attention_mask", kv_step=gptmini_kv_step, window=3)),
+    "window": ({}, AttentionSpec(padding="attention_mask", kv_step=window_kv_step, window=3)),
     "bidirectional": ({"causal": False}, AttentionSpec(causal=False, padding="attention_mask")),
     "bidirectional window": ({"causal": False},
                              AttentionSpec(causal=False, padding="attention_mask", window=2)),

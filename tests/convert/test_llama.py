@@ -138,3 +138,40 @@ def test_qk_norm_exports_as_qwen3_and_a_transformers_qwen3_loads_back(tmp_path):
         torch.testing.assert_close(back(ids), ours(ids), atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="norm_eps=1e-05. Train with --model.norm_eps 1e-06"):
         export_hf(GPTModel(replace(cfg, norm_eps=1e-5)), tmp_path / "other")
+
+
+def test_qwen3_layer_types_load_and_export_with_transformers_logits(tmp_path):
+    """Qwen3's per-layer sliding windows (layer_types, sliding_window) are gptmini's
+    layer_windows: transformers' own Qwen3 with a window of 5 on layers 0 and 2 is the
+    oracle, loaded from it and exported back (config.json's layer_types), over 24 tokens
+    (several windows), left-padded too."""
+    torch.manual_seed(6)
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config = transformers.Qwen3Config(**{**LLAMA, "num_hidden_layers": 3}, head_dim=8,
+                                      use_sliding_window=True, sliding_window=5,
+                                      layer_types=types, attn_implementation="eager")
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    assert ours.cfg.layer_windows == [5, None, 5]
+    ids = torch.randint(0, 300, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).logits
+        torch.testing.assert_close(ours(ids, mask)[1, 3:], want[1, 3:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(ids)[0], hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+        full = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **{**LLAMA, "num_hidden_layers": 3}, head_dim=8)).eval()
+        full.load_state_dict(hf.state_dict())
+        assert not torch.allclose(full(ids).logits, hf(ids).logits, atol=1e-3)  # windows bite
+    export_hf(ours, tmp_path / "ours")
+    exported = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (exported["layer_types"], exported["sliding_window"]) == (types, 5)
+    back = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+    mixed = GPTModel(replace(ours.cfg, layer_windows=[5, None, 3]))
+    with pytest.raises(ValueError, match=r"one sliding_window for every windowed layer.*"
+                                         r"windows \[3, 5\]"):
+        export_hf(mixed, tmp_path / "mixed")

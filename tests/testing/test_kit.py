@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptmini.attention import MultiHeadAttention
+from gptmini.attention import MultiHeadAttention, WindowKVCache
 from gptmini.attention.book import CausalAttention, MultiHeadAttentionWrapper
 from gptmini.testing import AttentionSpec, assert_attention, check_attention
 from gptmini.testing.checks import CHECKS
@@ -562,3 +562,22 @@ def test_relative_positions_passes_ours_and_fails_keys_rotated_in_other_pairs():
 
     broken = check_attention(KeysInOtherPairs, spec)["relative_positions"]
     assert broken.status == "failed" and "positions enter absolutely" in broken.detail
+
+
+def test_a_window_cache_that_forgets_a_key_inside_the_window_is_caught():
+    """A local layer's cache holds only its window; the kit's kv_cache check runs past the
+    window, so one that holds a token too few (window 2 for a module of window 3) fails,
+    and the right one passes."""
+    def short_cache(module, x, cache):
+        cache = cache or WindowKVCache(module.settings.window_size - 1)
+        return module(x, kv_cache=cache), cache
+
+    def window_cache(module, x, cache):
+        cache = cache or WindowKVCache(module.settings.window_size)
+        return module(x, kv_cache=cache), cache
+
+    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=short_cache))
+    assert report["kv_cache"].status == "failed"
+    assert "differs from the full recompute" in report["kv_cache"].detail
+    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=window_cache))
+    assert report["kv_cache"].status == "passed"

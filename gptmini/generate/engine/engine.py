@@ -84,7 +84,7 @@ class Engine:
             raise ValueError(f"max_step_tokens and max_batch must be >= 1, got "
                              f"{max_step_tokens} and {max_batch}")
         self.scheduler = Scheduler(self.context, num_blocks, block_size, max_batch,
-                                   max_step_tokens, model.cfg.window_size, prefix_caching)
+                                   max_step_tokens, model.cfg.kv_window, prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.device = self.runner.device
         self._incoming: list[Request] = []

@@ -3,12 +3,17 @@
 
 const $ = (id) => document.getElementById(id);
 
+// Local/global layers: each layer's window, "full" for a global one ("3/full/3/full").
+function layerWindows(s) {
+  return s.layer_windows ? `, layer windows ${s.layer_windows.map((w) => w ?? "full").join("/")}` : "";
+}
+
 export function showCheckpoint(info) {
   $("model-name").textContent = info.model ? `: ${info.model}` : "";
   const s = info.settings, rows = [
     ["parameters", parametersText(info)],
     ["layers x heads", `${s.n_layers} x ${s.n_heads}, emb ${s.emb_dim}, context ${s.context_length}`],
-    ["attention", `${s.position} positions${s.window_size ? `, window ${s.window_size}` : ""}, ${s.norm}, ${s.mlp}`],
+    ["attention", `${s.position} positions${s.window_size ? `, window ${s.window_size}` : ""}${layerWindows(s)}, ${s.norm}, ${s.mlp}`],
     ["tokenizer", `${info.tokenizer.name} (${info.tokenizer.n_vocab.toLocaleString()} ids)`],
     ["training steps", info.steps === null ? "unknown" : info.steps.toLocaleString()],
     ["val bits per byte", info.val_bpb === null ? "not logged" : info.val_bpb.toFixed(3)],
