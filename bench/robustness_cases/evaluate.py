@@ -124,7 +124,8 @@ CASES = {
     "evaluate.py --choices: an empty file": evaluate_case({"mc.jsonl": "\n"}, "--choices",
                                                           "{d}/mc.jsonl", said="no records"),
     "evaluate.py --data: a binary file": evaluate_case(
-        {"b.txt": bytes(range(256)) * 20}, "--data", "{d}/b.txt", said="--encoding_errors"),
+        {"b.txt": bytes(range(256)) * 20}, "--data", "{d}/b.txt",
+        said="is not text: it is a binary file"),
     "evaluate.py --data: a missing file": evaluate_case({}, "--data", "{d}/nope.txt",
                                                         said="--data"),
     "evaluate.py --data: a single token": evaluate_case({"one.txt": "a"}, "--data",
