@@ -37,7 +37,8 @@ from torch import Tensor
 from gptmini.attention import masks
 from gptmini.attention.positions import NoPositions, PositionScheme
 
-__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "positions_in_documents"]
+__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "layer_context",
+           "positions_in_documents"]
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,57 @@ class AttentionContext:
             return some.cpu(), every.cpu()  # read once, on the host
 
         return self.once(("tile_plan", tile), plan)
+
+
+def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
+                  num_cached: int, *, context: AttentionContext | None, uses_cache: bool,
+                  attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
+                  positions: Tensor | None = None) -> AttentionContext:
+    """What an attention layer attends with in one call: `context` (the forward pass's),
+    checked against the call and seen with the layer's own `settings` (its window:
+    `AttentionContext.for_layer`), or, without one, a context built here from the arguments.
+    MultiHeadAttention and MultiHeadLatentAttention both begin here.
+
+    Args:
+        settings: the layer's settings.
+        context_length: the most positions the layer may see in one call.
+        x: (b, num_tokens, ...) the layer's input: the call's shape and device.
+        num_cached: tokens already in the layer's KV cache.
+        context: the forward pass's context, or None.
+        uses_cache: a KV cache is in play (even empty).
+        attention_mask, document_ids, positions: as `AttentionContext.build`'s; only
+            without a context (a context holds them already).
+
+    Raises:
+        ValueError: more positions than context_length (the fix: crop the input), arguments
+            beside a context, or a context of another shape or of other settings than a
+            window.
+    """
+    b, num_tokens = x.shape[:2]
+    if context is not None and context.ragged is not None:
+        # an engine step: its sequences' lengths are checked there
+        num_cached = context.num_keys - num_tokens
+    elif num_cached + num_tokens > context_length:
+        raise ValueError(
+            f"attention got {num_cached + num_tokens} positions but context_length is "
+            f"{context_length}; crop the input to its last {context_length} tokens")
+    if context is None:
+        return AttentionContext.build(
+            b, num_tokens, num_cached, settings=settings, attention_mask=attention_mask,
+            document_ids=document_ids, uses_cache=uses_cache, positions=positions,
+            device=x.device)
+    if attention_mask is not None or document_ids is not None or positions is not None:
+        raise ValueError("pass attention_mask, document_ids and positions to "
+                         "AttentionContext.build, not beside a context that holds them")
+    if (context.batch, context.num_tokens, context.num_keys) != (
+            b, num_tokens, num_cached + num_tokens):
+        raise ValueError(
+            f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
+            f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
+            f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
+    if context.settings != settings:  # a layer with its own window, or a mistake
+        return context.for_layer(settings)
+    return context
 
 
 @functools.lru_cache(maxsize=16)

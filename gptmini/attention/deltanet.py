@@ -41,7 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DeltaNetState", "GatedDeltaNet", "chunked_delta_rule", "recurrent_delta_rule"]
+__all__ = ["CHUNK_SIZE", "CONV_KERNEL", "DeltaNetState", "GatedDeltaNet", "chunked_delta_rule",
+           "recurrent_delta_rule"]
+
+CHUNK_SIZE = 64
+"""Tokens per chunk of the chunked form, by default (FLA's and Qwen3-Next's 64)."""
+CONV_KERNEL = 4
+"""The short convolution's width, by default (Qwen3-Next's linear_conv_kernel_dim)."""
 
 
 class DeltaNetState:
@@ -111,7 +117,7 @@ def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
 # Long for its comments: the derivation of the chunked form is the docstring's, line by line.
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                       state: Tensor | None = None, chunk_size: int = 64
+                       state: Tensor | None = None, chunk_size: int = CHUNK_SIZE
                        ) -> tuple[Tensor, Tensor]:
     """The gated delta rule a chunk at a time: `recurrent_delta_rule`'s result with matmuls.
 
@@ -194,7 +200,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, d_in: int, num_heads: int, head_dim: int, *,
                  value_head_dim: int | None = None, num_key_heads: int | None = None,
-                 conv_kernel: int = 4, chunk_size: int = 64, norm_eps: float = 1e-6):
+                 conv_kernel: int = CONV_KERNEL, chunk_size: int = CHUNK_SIZE,
+                 norm_eps: float = 1e-6):
         super().__init__()
         num_key_heads = num_key_heads or num_heads
         if num_heads % num_key_heads:

@@ -31,8 +31,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from gptmini.attention.context import AttentionContext, AttentionSettings
-from gptmini.attention.kernels import backend_name, explicit_attention, make_kernel
+from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
+from gptmini.attention.kernels import attend, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import NoPositions, PositionScheme
@@ -157,8 +157,10 @@ class MultiHeadLatentAttention(nn.Module):
         rank) as keys and rotary keys (b, 1, num_tokens, rope_dim) as values."""
         b, num_tokens, _ = x.shape
         num_cached = len(kv_cache) if kv_cache is not None else 0
-        context = self._context(x, context, num_cached, kv_cache is not None, attention_mask,
-                                document_ids, positions)
+        context = layer_context(self.settings, self.context_length, x, num_cached,
+                                context=context, uses_cache=kv_cache is not None,
+                                attention_mask=attention_mask, document_ids=document_ids,
+                                positions=positions)
         if self.q_lora_rank is None:
             queries = self.q_proj(x)  # (b, num_tokens, num_heads * qk_head_dim)
         else:
@@ -201,7 +203,9 @@ class MultiHeadLatentAttention(nn.Module):
         # (b, num_heads, num_keys, qk_head_dim): the rotary key is the same for every head
         keys = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
         queries = torch.cat([q_nope, q_rot], dim=-1)
-        return self._attend(queries, keys, values, context, return_weights)
+        return attend(self.kernel, self.backend, queries, keys, values, context,
+                      dropout_p=self.dropout.p if self.training else 0.0,
+                      return_weights=return_weights)
 
     def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor,
                   context: AttentionContext, return_weights: bool):
@@ -218,64 +222,8 @@ class MultiHeadLatentAttention(nn.Module):
         width = self.kv_lora_rank + self.rope_dim
         queries = torch.cat([q_latent, q_rot], dim=-1) * math.sqrt(width / self.qk_head_dim)
         keys = torch.cat([latent, k_rot], dim=-1)  # (b, 1, num_keys, rank + rope_dim)
-        context_vec, weights = self._attend(queries, keys, latent, context, return_weights)
+        context_vec, weights = attend(self.kernel, self.backend, queries, keys, latent, context,
+                                      dropout_p=self.dropout.p if self.training else 0.0,
+                                      return_weights=return_weights)
         # (b, num_heads, num_tokens, rank) -> (b, num_heads, num_tokens, v_dim)
         return torch.einsum("bhnr,hvr->bhnv", context_vec, w_uv), weights
-
-    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, context: AttentionContext,
-                return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """The kernel's output, or with `return_weights` the explicit path's and its weights
-        (MultiHeadAttention's dispatch: the same checks, the same engine layout)."""
-        dropout_p = self.dropout.p if self.training else 0.0
-        ragged = context.ragged
-        if ragged is not None:  # one row per sequence for attention, then packed again
-            if return_weights:
-                raise ValueError("return_weights needs one sequence per row; an engine "
-                                 "step's packed sequences have no such weights")
-            queries, context = ragged.unpack(queries), ragged.context
-        if return_weights:
-            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p)
-        else:
-            if dropout_p > 0 and not self.kernel.has_dropout:
-                raise ValueError(
-                    f"the {backend_name(self.backend)} attention backend has no attention "
-                    f"dropout, and this module is training with dropout {dropout_p}: set the "
-                    "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
-                    "explicit backend")
-            context_vec, weights = self.kernel(queries, keys, values, context, dropout_p), None
-        if ragged is not None:
-            context_vec = ragged.pack(context_vec)
-        return context_vec, weights
-
-    def _context(self, x: Tensor, context: AttentionContext | None, num_cached: int,
-                 uses_cache: bool, attention_mask: Tensor | None, document_ids: Tensor | None,
-                 positions: Tensor | None) -> AttentionContext:
-        """The given context, checked against this call and layer, or one built here."""
-        b, num_tokens, _ = x.shape
-        if context is not None and context.ragged is not None:
-            num_cached = context.num_keys - num_tokens  # an engine step checks its lengths
-        elif num_cached + num_tokens > self.context_length:
-            raise ValueError(
-                f"attention got {num_cached + num_tokens} positions but context_length is "
-                f"{self.context_length}; crop the input to its last {self.context_length} "
-                "tokens")
-        if context is None:
-            return AttentionContext.build(
-                b, num_tokens, num_cached, settings=self.settings, attention_mask=attention_mask,
-                document_ids=document_ids, uses_cache=uses_cache, positions=positions,
-                device=x.device)
-        if attention_mask is not None or document_ids is not None or positions is not None:
-            raise ValueError("pass attention_mask, document_ids and positions to "
-                             "AttentionContext.build, not beside a context that holds them")
-        if (context.batch, context.num_tokens, context.num_keys) != (
-                b, num_tokens, num_cached + num_tokens):
-            raise ValueError(
-                f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
-                f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
-                f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
-        if context.settings != self.settings:
-            raise ValueError(
-                f"the context was built with {context.settings}, but this layer has "
-                f"{self.settings}; build it with the layer's settings (GPTModel.new_context "
-                "does)")
-        return context

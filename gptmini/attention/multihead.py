@@ -24,9 +24,9 @@ kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 
 import torch
 from torch import Tensor, nn
 
-from gptmini.attention.context import AttentionContext, AttentionSettings
+from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
 from gptmini.attention.gate import GATES, OutputGate
-from gptmini.attention.kernels import KERNELS, backend_name, explicit_attention, make_kernel
+from gptmini.attention.kernels import KERNELS, attend, backend_name, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import (
@@ -189,7 +189,12 @@ class MultiHeadAttention(nn.Module):
             left-padding position) gets zero weights and a zero output, never NaN.
         """
         b, num_tokens, _ = x.shape
-        context = self._context(x, context, kv_cache, attention_mask, document_ids, positions)
+        num_cached = len(kv_cache) if kv_cache is not None else 0
+        # the pass's context, checked and seen with this layer's window, or one built here
+        context = layer_context(self.settings, self.context_length, x, num_cached,
+                                context=context, uses_cache=kv_cache is not None,
+                                attention_mask=attention_mask, document_ids=document_ids,
+                                positions=positions)
         queries = self.W_query(x)  # (b, num_tokens, d_out)
         keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
         values = self.W_value(x)
@@ -210,7 +215,11 @@ class MultiHeadAttention(nn.Module):
             if keys.shape[2] < context.num_keys and context.ragged is None:
                 # a WindowKVCache returned its window's keys only: mask over those
                 context = context.for_layer(self.settings, keys.shape[2])
-        context_vec, weights = self._attend(queries, keys, values, context, return_weights)
+        # (b, num_heads, num_tokens, head_dim): the kernel's, or the explicit path's + weights
+        context_vec, weights = attend(
+            self.kernel, self.backend, queries, keys, values, context,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            return_weights=return_weights, sinks=self.sinks)
 
         # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
         context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
@@ -221,71 +230,6 @@ class MultiHeadAttention(nn.Module):
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
         return (out, weights) if return_weights else out
-
-    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, context: AttentionContext,
-                return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """The kernel's output (b, num_heads, num_tokens, head_dim), and with
-        `return_weights` the explicit path's output and weights instead."""
-        dropout_p = self.dropout.p if self.training else 0.0
-        ragged = context.ragged
-        if ragged is not None:  # one row per sequence for attention, then packed again
-            if return_weights:
-                raise ValueError("return_weights needs one sequence per row; an engine "
-                                 "step's packed sequences have no such weights")
-            queries, context = ragged.unpack(queries), ragged.context_for(self.settings)
-        sinks = self.sinks
-        if return_weights:
-            context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p,
-                                                      sinks=sinks)
-        else:
-            if dropout_p > 0 and not self.kernel.has_dropout:
-                raise ValueError(
-                    f"the {backend_name(self.backend)} attention backend has no attention "
-                    f"dropout, and this module is training with dropout {dropout_p}: set the "
-                    "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
-                    "explicit backend"
-                )
-            weights = None
-            if sinks is None:
-                context_vec = self.kernel(queries, keys, values, context, dropout_p)
-            else:  # only a kernel that has_sinks is given the keyword
-                context_vec = self.kernel(queries, keys, values, context, dropout_p, sinks=sinks)
-        if ragged is not None:
-            context_vec = ragged.pack(context_vec)
-        return context_vec, weights
-
-    def _context(self, x: Tensor, context: AttentionContext | None,
-                 kv_cache: BaseKVCache | None, attention_mask: Tensor | None,
-                 document_ids: Tensor | None, positions: Tensor | None) -> AttentionContext:
-        """The given context, checked against this call and layer, or one built here."""
-        b, num_tokens, _ = x.shape
-        num_cached = len(kv_cache) if kv_cache is not None else 0
-        if context is not None and context.ragged is not None:
-            # an engine step: its sequences' lengths are checked there
-            num_cached = context.num_keys - num_tokens
-        elif num_cached + num_tokens > self.context_length:
-            raise ValueError(
-                f"attention got {num_cached + num_tokens} positions but context_length is "
-                f"{self.context_length}; crop the input to its last {self.context_length} "
-                "tokens"
-            )
-        if context is None:
-            return AttentionContext.build(
-                b, num_tokens, num_cached, settings=self.settings, attention_mask=attention_mask,
-                document_ids=document_ids, uses_cache=kv_cache is not None, positions=positions,
-                device=x.device)
-        if attention_mask is not None or document_ids is not None or positions is not None:
-            raise ValueError("pass attention_mask, document_ids and positions to "
-                             "AttentionContext.build, not beside a context that holds them")
-        if (context.batch, context.num_tokens, context.num_keys) != (
-                b, num_tokens, num_cached + num_tokens):
-            raise ValueError(
-                f"the context was built for (batch, num_tokens, num_keys) = ({context.batch}, "
-                f"{context.num_tokens}, {context.num_keys}), but this call has ({b}, "
-                f"{num_tokens}, {num_cached + num_tokens}); build one context per forward pass")
-        if context.settings != self.settings:  # a layer with its own window, or a mistake
-            return context.for_layer(self.settings)
-        return context
 
 
 def _check_heads(d_out: int, num_heads: int, num_kv_heads: int, dropout: float) -> None:

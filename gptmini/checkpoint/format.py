@@ -195,8 +195,8 @@ def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] |
 
 def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
     """The architecture and the tokenizer of a model source without reading its weights: a
-    gptmini checkpoint (memory-mapped) or a Hugging Face GPT-2, Llama or Qwen3 directory
-    (its config.json and tokenizer.json). What `--model.init_from` starts from.
+    gptmini checkpoint (memory-mapped) or a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3
+    directory (its config.json and tokenizer.json). What `--model.init_from` starts from.
 
     Raises:
         FileNotFoundError: nothing at `path`, or a directory without config.json.
@@ -206,7 +206,7 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
     if not path.exists():
         raise FileNotFoundError(
             f"no model at {path}: pass a gptmini checkpoint (.ckpt, under a run's "
-            "checkpoints/) or a Hugging Face GPT-2, Llama or Qwen3 directory")
+            "checkpoints/) or a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3 directory")
     if path.is_dir():
         cfg = directory_config(path)
         tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))

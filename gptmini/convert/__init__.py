@@ -1,6 +1,13 @@
 """Hugging Face layouts in and out of `GPTModel`: GPT-2's (gpt2.py), Llama's and Qwen3's
-(llama.py), the directories on disk (hub.py). No `transformers` import is needed."""
+(llama.py), DeepSeek-V3's with every layer dense (deepseek.py), the directories on disk
+(hub.py). No `transformers` import is needed."""
 
+from gptmini.convert.deepseek import (
+    config_from_deepseek,
+    config_to_deepseek,
+    from_deepseek_state_dict,
+    to_deepseek_state_dict,
+)
 from gptmini.convert.gpt2 import (
     TABLE,
     config_from_hf,
@@ -29,12 +36,15 @@ from gptmini.convert.weights import check_finite, model_from_weights
 __all__ = [
     "TABLE",
     "check_finite",
+    "config_from_deepseek",
     "config_from_hf",
     "config_from_llama",
+    "config_to_deepseek",
     "config_to_hf",
     "config_to_llama",
     "directory_config",
     "export_hf",
+    "from_deepseek_state_dict",
     "from_hf_state_dict",
     "from_llama_state_dict",
     "interleaved_to_halves",
@@ -43,6 +53,7 @@ __all__ = [
     "model_from_weights",
     "read_hf_weights",
     "read_json_object",
+    "to_deepseek_state_dict",
     "to_hf_state_dict",
     "to_llama_state_dict",
     "write_tokenizer_files",

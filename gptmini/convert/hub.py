@@ -1,6 +1,6 @@
 """Hugging Face model directories on disk: `config.json` plus `model.safetensors` (or
-`pytorch_model.bin`), read into a GPTModel and written from one, GPT-2's layout or Llama's
-picked by the config."""
+`pytorch_model.bin`), read into a GPTModel and written from one, GPT-2's layout, Llama's or
+DeepSeek-V3's picked by the config."""
 
 import json
 import os
@@ -13,6 +13,12 @@ from safetensors.torch import load_file, save_file
 from tiktoken import Encoding
 from torch import Tensor
 
+from gptmini.convert.deepseek import (
+    config_from_deepseek,
+    config_to_deepseek,
+    from_deepseek_state_dict,
+    to_deepseek_state_dict,
+)
 from gptmini.convert.gpt2 import (
     config_from_hf,
     config_to_hf,
@@ -36,12 +42,15 @@ __all__ = ["LAYOUTS", "export_hf", "load_hf", "model_type", "read_hf_config",
            "write_tokenizer_files"]
 
 
-LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
-"""The `model_type`s gptmini reads (Qwen3's is Llama's layout with QK-norm)."""
+LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3",
+           "deepseek_v3": "DeepSeek-V3, every layer dense"}
+"""The `model_type`s gptmini reads (Qwen3's is Llama's layout with QK-norm; DeepSeek-V3's
+is multi-head latent attention, gptmini.convert.deepseek)."""
 
 
 def load_hf(directory: str | Path) -> GPTModel:
-    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama or Qwen3 directory.
+    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama, Qwen3 or dense
+    DeepSeek-V3 directory.
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -51,19 +60,21 @@ def load_hf(directory: str | Path) -> GPTModel:
     """
     directory = Path(directory)
     # The config first: a directory of another architecture is not read further.
-    gpt2 = not is_llama_architecture(directory_config(directory))
+    cfg = directory_config(directory)
     hf_config, state = read_hf_weights(directory)
     try:
-        if gpt2:
-            return from_hf_state_dict(state, hf_config)
-        return from_llama_state_dict(state, hf_config)
+        if cfg.mla_kv_lora_rank is not None:
+            return from_deepseek_state_dict(state, hf_config)
+        if is_llama_architecture(cfg):
+            return from_llama_state_dict(state, hf_config)
+        return from_hf_state_dict(state, hf_config)
     except ValueError as err:
         raise ValueError(f"{directory}: {err}") from None
 
 
 def directory_config(directory: str | Path) -> GPTConfig:
-    """The `GPTConfig` a Hugging Face GPT-2, Llama or Qwen3 directory's config.json
-    describes, without reading its weights.
+    """The `GPTConfig` a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3 directory's
+    config.json describes, without reading its weights.
 
     Raises:
         FileNotFoundError: no config.json.
@@ -72,8 +83,9 @@ def directory_config(directory: str | Path) -> GPTConfig:
     directory = Path(directory)
     hf_config = read_hf_config(directory)
     try:
-        gpt2 = model_type(hf_config) == "gpt2"
-        return (config_from_hf if gpt2 else config_from_llama)(hf_config)
+        read = {"gpt2": config_from_hf, "deepseek_v3": config_from_deepseek}.get(
+            model_type(hf_config), config_from_llama)
+        return read(hf_config)
     except ValueError as err:
         raise ValueError(f"{directory / 'config.json'}: {err}") from None
 
@@ -88,7 +100,8 @@ def model_type(hf_config: dict) -> str:
     kind = hf_config.get("model_type")
     architectures = hf_config.get("architectures") or []
     if kind is None and isinstance(architectures, list) and architectures:
-        names = {"GPT2": "gpt2", "Llama": "llama", "Qwen3": "qwen3"}
+        names = {"GPT2": "gpt2", "Llama": "llama", "Qwen3": "qwen3",
+                 "DeepseekV3": "deepseek_v3"}
         kind = next((v for k, v in names.items() if str(architectures[0]).startswith(k)),
                     architectures[0])
     kind = "gpt2" if kind is None else kind
@@ -178,7 +191,9 @@ def read_hf_weights(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
 def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None = None
               ) -> Path:
     """Write `model` as a GPT-2 directory that `transformers` loads (a model of Llama's
-    architecture, rotary + SwiGLU, as a `LlamaForCausalLM` directory: gptmini.convert.llama).
+    architecture, rotary + SwiGLU, as a `LlamaForCausalLM` directory: gptmini.convert.llama;
+    one of multi-head latent attention as a dense `DeepseekV3ForCausalLM` directory:
+    gptmini.convert.deepseek).
 
     The directory holds `config.json` and `model.safetensors`, and
     `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,
@@ -193,12 +208,15 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
     as it was, and nothing of another model (its tokenizer.json) stays beside the new one.
 
     Raises:
-        ValueError: the model uses grouped-query or sliding-window attention, or
+        ValueError: the model has options its layout lacks (each named: grouped-query or
+            sliding-window attention in GPT-2's, biases in Llama's or DeepSeek-V3's), or
             `tokenizer` does not have the model's number of ids, or `directory` holds other
             files than a model's.
         OSError: the directory could not be written (the earlier one is unchanged).
     """
-    if is_llama_architecture(model.cfg):
+    if model.cfg.mla_kv_lora_rank is not None:
+        hf_config, state = config_to_deepseek(model.cfg), to_deepseek_state_dict(model)
+    elif is_llama_architecture(model.cfg):
         hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
     else:
         hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)

@@ -54,8 +54,10 @@ QK_NORM_EPS = 1e-6
 as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
          "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
-         "attn_sinks": False, "attn_gate": "none", "layer_kinds": None}
-"""The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's)."""
+         "attn_sinks": False, "attn_gate": "none", "layer_kinds": None,
+         "mla_kv_lora_rank": None}
+"""The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's);
+one with multi-head latent attention is DeepSeek-V3's (gptmini.convert.deepseek)."""
 
 
 def is_llama_architecture(cfg: GPTConfig) -> bool:

@@ -333,8 +333,8 @@ class GPTLitModule(L.LightningModule):
         if self.trainer.is_global_zero:
             peak = f"{self._peak_flops / 1e12:.3g} TFLOP/s" if self._peak_flops else "unknown"
             print(f"MFU: tokens/s x {self._flops_per_token / 1e6:.1f} MFLOP per token (6N + "
-                  f"12*L*T*d, N = matmul weights with the head) / peak ({peak} for "
-                  f"{self._dtype_name()} on {self.device.type})", flush=True)
+                  "attention, gptmini.model.flops; N = matmul weights with the head) / peak "
+                  f"({peak} for {self._dtype_name()} on {self.device.type})", flush=True)
 
     def on_train_batch_start(self, batch, batch_idx: int):
         self.optimizer_steps.batch_started(self.trainer)

@@ -4,7 +4,12 @@ its cache against recompute, and its absorbed decoding against the plain path.""
 import pytest
 import torch
 
-from gptmini.attention import KVCache, MultiHeadLatentAttention
+from gptmini.attention import (
+    AttentionContext,
+    AttentionSettings,
+    KVCache,
+    MultiHeadLatentAttention,
+)
 from gptmini.attention.positions import RotaryPositions
 from gptmini.model import GPTConfig, GPTModel
 
@@ -183,6 +188,28 @@ def test_absorbed_weights_are_the_plain_weights():
         att.absorb = True
         _, absorbed = att(x, return_weights=True)
     torch.testing.assert_close(absorbed, plain, rtol=0, atol=1e-12)
+
+
+def test_a_context_is_checked_and_seen_with_the_layers_window_as_multihead_attention_does():
+    """MLA begins as MultiHeadAttention does (gptmini.attention.context.layer_context): a
+    context of another window is seen through the layer's own, one of another shape or
+    position scheme is refused by name."""
+    torch.manual_seed(0)
+    rope = RotaryPositions(head_dim=4)
+    att = MultiHeadLatentAttention(32, 16, 0.0, 4, **SIZES, window_size=3,
+                                   position_scheme=rope).double()
+    x = torch.randn(1, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        own = att(x)
+        seen = att(x, context=AttentionContext.build(1, 7, settings=AttentionSettings(
+            position_scheme=rope)))
+    torch.testing.assert_close(seen, own, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"built for \(batch, num_tokens, num_keys\)"):
+        att(x, context=AttentionContext.build(1, 6, settings=att.settings))
+    with pytest.raises(ValueError, match="position_scheme=NoPositions"):
+        att(x, context=AttentionContext.build(1, 7))
+    with pytest.raises(ValueError, match="context_length is 16; crop"):
+        att(torch.randn(1, 17, 32, dtype=torch.float64))
 
 
 def test_no_future_token_moves_an_earlier_output():

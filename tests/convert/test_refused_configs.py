@@ -18,9 +18,16 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermedia
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-               "vocab_size": 129280, "hidden_size": 7168, "num_attention_heads": 128,
-               "num_hidden_layers": 61, "q_lora_rank": 1536, "kv_lora_rank": 512}
+DEEPSEEK_V3 = {  # DeepSeek-V3's own config.json, its sizes and what gptmini cannot compute
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
 
 
 def directory_with(tmp_path, config) -> str:
@@ -67,8 +74,11 @@ CASES = {
                        r"rope_theta values that differ \(\[10000.0, 500000.0\]\)"),
     "a quantized Llama": ({**LLAMA, "quantization_config": {"quant_method": "fp8"}},
                           r"quant_method='fp8'"),
-    "DeepSeek-V3": (DEEPSEEK_V3, r"config.json: it describes a model_type='deepseek_v3'.*"
-                                 r"'gpt2' \(GPT-2\), 'llama' \(Llama\), 'qwen3' \(Qwen3\)"),
+    # gptmini reads a DeepSeek-V3 whose every layer is dense (gptmini.convert.deepseek)
+    "DeepSeek-V3": (DEEPSEEK_V3, r"config.json: this DeepSeek-V3 config cannot be loaded into "
+                                 r"GPTModel: first_k_dense_replace=3 below num_hidden_layers=61 "
+                                 r"\(mixture-of-experts.*rope scaling 'yarn'.*"
+                                 r"quant_method='fp8'"),
     "only architectures, another one": ({"architectures": ["MistralForCausalLM"]},
                                         r"'MistralForCausalLM'.*does not read"),
     "model_type a list": ({**GPT2, "model_type": ["gpt2"]}, r"model_type=\['gpt2'\]"),

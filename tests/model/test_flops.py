@@ -1,6 +1,12 @@
-"""Parameter and FLOP counts, and the CPU's measured matmul rate (the halves of MFU)."""
+"""Parameter and FLOP counts, and the CPU's measured matmul rate (the halves of MFU).
 
+The FLOP counts are checked against torch's own FlopCounterMode (it counts every matmul and
+convolution autograd runs), on a training step of tiny models of each kind of layer.
+"""
+
+import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel
 from gptmini.model.flops import flops_per_token
@@ -16,6 +22,50 @@ def test_flops_per_token_counts_every_matmul_weight_six_times():
     )
     attention = 12 * cfg.n_layers * cfg.emb_dim * 256
     assert flops_per_token(cfg, seq_len=256) == 6 * matmul_weights + attention
+
+
+TINY = {"vocab_size": 64, "context_length": 128, "emb_dim": 16, "n_heads": 2, "n_layers": 2,
+        "drop_rate": 0.0, "attention_backend": "explicit"}  # explicit: its scores are matmuls
+
+
+def counted_flops_per_token(cfg: GPTConfig, seq_len: int, backward: bool = True) -> float:
+    """FLOPs per token FlopCounterMode sees in a forward (and backward) pass of 2 rows."""
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        loss = model(tokens, targets=tokens)
+        if backward:
+            loss.backward()
+    return counter.get_total_flops() / tokens.numel()
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"n_kv_heads": 1, "mlp": "swiglu", "attn_gate": "headwise", "mlp_hidden_dim": 40},
+    {"attn_gate": "elementwise", "position": "rope", "tie_weights": True},
+    # multi-head latent attention: default sizes, then every size its own and a query latent
+    {"mla_kv_lora_rank": 12, "position": "rope"},
+    {"mla_kv_lora_rank": 12, "mla_q_lora_rank": 10, "mla_qk_nope_head_dim": 6,
+     "mla_qk_rope_head_dim": 4, "mla_v_head_dim": 5, "position": "rope", "mlp": "swiglu"},
+], ids=["book", "gqa-gate-swiglu", "elementwise-gate", "mla", "mla-q-latent"])
+def test_attention_flops_equal_a_counted_training_step(options):
+    cfg = GPTConfig(**TINY, **options)
+    assert flops_per_token(cfg, seq_len=96) == counted_flops_per_token(cfg, 96)
+
+
+@pytest.mark.parametrize("seq_len", [128, 96])  # 96: a last chunk padded to 64 tokens
+def test_deltanet_flops_equal_a_counted_forward_and_its_solves_times_three(seq_len):
+    """FlopCounterMode does not count triangular solves: the test adds them by hand. Each
+    of the 2 heads of the one Gated DeltaNet layer solves, per chunk of 64 tokens, two
+    unit-lower-triangular 64 x 64 systems with 8 right-hand columns each (k and v are
+    16 // 2 = 8 wide), 64^2 * 8 FLOPs each (the BLAS trsm count). Training costs 3
+    forwards."""
+    cfg = GPTConfig(**TINY, layer_kinds=["deltanet", "attention"])
+    chunks = -(-seq_len // 64)
+    solves_per_token = 2 * chunks * 2 * 64 * 64 * 8 / seq_len
+    forward = counted_flops_per_token(cfg, seq_len, backward=False) + solves_per_token
+    assert flops_per_token(cfg, seq_len=seq_len) == pytest.approx(3 * forward, rel=1e-12)
 
 
 def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():

@@ -12,7 +12,9 @@ whichever form it wants (`dense()`, `block_mask()`, `tile_plan(tile)`). A kernel
 attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
 A kernel that adds attention sinks (gptmini.attention.sinks) says so with
 `has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
-a module with sinks refuses a kernel without them, by name.
+a module with sinks refuses a kernel without them, by name. Modules call their kernel
+through `attend` below, which also lays an engine step's packed sequences out one per row
+and takes the explicit path where the attention weights are asked for.
 
 A backend is named three ways, and which one a name means never depends on what was
 imported before:
@@ -30,12 +32,14 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from torch import Tensor
+
 from gptmini.attention.kernels.explicit import ExplicitKernel, explicit_attention
 from gptmini.attention.kernels.flex import FlexKernel
 from gptmini.attention.kernels.sdpa import SdpaKernel
 from gptmini.attention.kernels.tiled import TiledKernel
 
-__all__ = ["KERNELS", "ExplicitKernel", "FlexKernel", "SdpaKernel", "TiledKernel",
+__all__ = ["KERNELS", "ExplicitKernel", "FlexKernel", "SdpaKernel", "TiledKernel", "attend",
            "backend_name", "explicit_attention", "is_backend_name", "make_kernel"]
 
 KERNELS: Mapping[str, type] = MappingProxyType({
@@ -80,6 +84,57 @@ def make_kernel(backend: str | type):
     if not isinstance(kernel, type):
         raise ValueError(f"backend must be {_CHOICES}, got {backend!r}, which is not a class")
     return kernel()
+
+
+def attend(kernel, backend: str | type, queries: Tensor, keys: Tensor, values: Tensor,
+           context, *, dropout_p: float = 0.0, return_weights: bool = False,
+           sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """An attention module's call into its kernel (MultiHeadAttention's and
+    MultiHeadLatentAttention's): the kernel's output (b, num_heads, num_tokens, head_dim)
+    and None, or with `return_weights` the explicit path's output and its weights
+    (b, num_heads, num_tokens, num_keys), the ones the output was computed from. An engine
+    step's packed queries are attended one sequence per row (the context's `Ragged`), then
+    packed again.
+
+    Args:
+        kernel: the module's kernel (`make_kernel(backend)`).
+        backend: how the module named it, for messages.
+        queries, keys, values: as a kernel takes them (see the module docstring).
+        context: the layer's AttentionContext (its settings are the layer's).
+        dropout_p: the attention dropout of this call (0 outside training).
+        return_weights: the explicit path and its weights instead of the kernel.
+        sinks: (num_heads,) the module's attention sinks, or None; given only to a kernel
+            that has_sinks (the module refuses any other when it has them).
+
+    Raises:
+        ValueError: weights asked of packed sequences, or a dropout above 0 for a kernel
+            without dropout (naming the backend and the fix).
+    """
+    ragged = context.ragged
+    if ragged is not None:  # one row per sequence for attention, then packed again
+        if return_weights:
+            raise ValueError("return_weights needs one sequence per row; an engine "
+                             "step's packed sequences have no such weights")
+        queries, context = ragged.unpack(queries), ragged.context_for(context.settings)
+    if return_weights:
+        context_vec, weights = explicit_attention(queries, keys, values, context, dropout_p,
+                                                  sinks=sinks)
+    else:
+        if dropout_p > 0 and not kernel.has_dropout:
+            raise ValueError(
+                f"the {backend_name(backend)} attention backend has no attention "
+                f"dropout, and this module is training with dropout {dropout_p}: set the "
+                "attention dropout to 0 (--model.attn_drop_rate 0) or use the sdpa or "
+                "explicit backend"
+            )
+        weights = None
+        if sinks is None:
+            context_vec = kernel(queries, keys, values, context, dropout_p)
+        else:  # only a kernel that has_sinks is given the keyword
+            context_vec = kernel(queries, keys, values, context, dropout_p, sinks=sinks)
+    if ragged is not None:
+        context_vec = ragged.pack(context_vec)
+    return context_vec, weights
 
 
 def _imported(path: str) -> type:
