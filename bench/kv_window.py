@@ -13,9 +13,14 @@ Each row gives the bytes the definition says (held tokens x 2 x kv_heads x head_
 bytes, over the context's tokens) and the bytes the model's caches really hold after a
 prompt of half the context and decoding to its end (their buffers, doubling slack
 included), measured by running the model (a 256-token vocabulary: the vocabulary does not
-change the cache). The engine's paged blocks are shared by every layer's block table, so
-with a global layer among them they hold every token (the MHA row's bytes): the saving is
-the plain KV cache's (generate()) only.
+change the cache).
+
+The second table is the engine's paged blocks (gptmini.generate.engine, blocks of 16): the
+bytes of the blocks one sequence holds (`Engine.held_bytes`) once it has grown from a
+prompt of half the context to its end, over its tokens. The global layers' pool grows with
+the sequence; a local/global model's windowed layers have a pool of their own whose blocks
+behind the window go back, and a model whose layers are all windowed gives back the blocks
+behind its window from its one pool.
 
     python bench/kv_window.py
 """
@@ -23,7 +28,10 @@ the plain KV cache's (generate()) only.
 import torch
 from machine import cpu_description
 
+from gptmini.generate.engine import Engine
 from gptmini.model import GPTConfig, GPTModel, window_pattern
+
+BLOCK = 16  # the engine's default block_size
 
 SHAPES = {
     "default (4 x 256, context 128)": {"emb_dim": 256, "n_heads": 4, "n_layers": 4,
@@ -41,6 +49,8 @@ def variants(shape: dict) -> dict[str, dict]:
         "GQA (kv heads / 4)": {"n_kv_heads": shape["n_heads"] // 4},
         f"local/global 1:1 (window {window})": {
             "layer_windows": window_pattern("1:1", window=window, n_layers=layers)},
+        f"local/global 3:1 (window {window})": {
+            "layer_windows": window_pattern("3:1", window=window, n_layers=layers)},
         f"local/global 5:1 (window {window})": {
             "layer_windows": window_pattern("5:1", window=window, n_layers=layers)},
     }
@@ -68,6 +78,24 @@ def measured_bytes(cfg: GPTConfig) -> int:
     return sum(cache.nbytes for cache in caches)
 
 
+@torch.inference_mode()
+def engine_held(cfg: GPTConfig) -> tuple[int, int, int]:
+    """(bytes, global pool blocks, local pool blocks) the engine's blocks hold for one
+    sequence at its last step: a prompt of half the context, then decoding to its end."""
+    torch.manual_seed(0)
+    engine = Engine(GPTModel(cfg).eval(), block_size=BLOCK, max_batch=1)
+    half = cfg.context_length // 2
+    request = engine.add_request(torch.randint(0, cfg.vocab_size, (half,)).tolist(),
+                                 max_new_tokens=cfg.context_length - half)
+    held = (0, 0, 0)
+    while engine.has_work:
+        engine.step()
+        if not request.done:  # (once done, its blocks are back)
+            local = 0 if engine.local_blocks is None else engine.local_blocks.in_use()
+            held = (engine.held_bytes, engine.blocks.in_use(), local)
+    return held
+
+
 def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"machine: {cpu_description()}; float32, one sequence filled to its context\n")
@@ -82,6 +110,21 @@ def main():
             measured = measured_bytes(cfg) / tokens
             mha = mha or defined
             print(f"  {name:<36} {defined:>12,.0f} {measured:>12,.0f} {defined / mha:>7.2f}")
+        print()
+    print(f"the engine's paged blocks ({BLOCK} tokens) held by one sequence at its end\n")
+    for shape_name, shape in SHAPES.items():
+        print(shape_name)
+        print(f"  {'':<36} {'global blocks':>13} {'local blocks':>12} {'bytes/token':>12} "
+              f"{'vs MHA':>7}")
+        mha = None
+        for name, options in variants(shape).items():
+            cfg = GPTConfig(vocab_size=256, drop_rate=0.0, position="rope", **shape, **options)
+            held, global_blocks, local_blocks = engine_held(cfg)
+            per_token = held / cfg.context_length
+            mha = mha or per_token
+            local = "-" if Engine.local_window(cfg) is None else f"{local_blocks}"
+            print(f"  {name:<36} {global_blocks:>13} {local:>12} {per_token:>12,.0f} "
+                  f"{per_token / mha:>7.2f}")
         print()
 
 

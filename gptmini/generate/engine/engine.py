@@ -50,18 +50,26 @@ class Engine:
         model: a `GPTModel`; put in eval mode. Its dtype and device are the cache's.
         tokenizer: a tiktoken `Encoding`, needed for stop strings and `Request.text`.
         block_size: tokens per KV block.
-        num_blocks: blocks in the pool (all layers together); None: enough for
-            `max_batch` requests of `context_length` tokens.
+        num_blocks: blocks in the pool (all layers together; a local/global model's
+            global layers); None: enough for `max_batch` requests of `context_length`
+            tokens.
         max_batch: most requests running at once.
         max_step_tokens: most tokens one step computes (decodes first, one token each;
             prefills share what is left, a longer prompt over several steps). None:
             `max(512, context_length)`.
         prefix_caching: reuse the blocks of prompts that start the same way.
+        num_local_blocks: with local and global layers (GPTConfig.layer_windows with a
+            global layer), the blocks of the windowed layers' own pool, which a request
+            holds only behind its window and its prompt while prefilling (see
+            gptmini.generate.engine.scheduler). None: `max_batch` windows of
+            `local_window / block_size + 1` blocks, and a budget's or a context's worth
+            more for the prompts being prefilled, at most `num_blocks`.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, *, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 32,
-                 max_step_tokens: int | None = None, prefix_caching: bool = True):
+                 max_step_tokens: int | None = None, prefix_caching: bool = True,
+                 num_local_blocks: int | None = None):
         if getattr(model.cfg, "mla_kv_lora_rank", None) is not None:
             # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
             raise ValueError(
@@ -83,9 +91,20 @@ class Engine:
         if max_step_tokens < 1 or max_batch < 1:
             raise ValueError(f"max_step_tokens and max_batch must be >= 1, got "
                              f"{max_step_tokens} and {max_batch}")
+        local_window = self.local_window(model.cfg)
+        if local_window is None and num_local_blocks is not None:
+            raise ValueError(
+                f"num_local_blocks={num_local_blocks} needs a model of local and global "
+                "layers (GPTConfig.layer_windows with both windows and None); this one has "
+                "one pool for every layer: leave num_local_blocks None")
+        if local_window is not None and num_local_blocks is None:
+            most = max(max_step_tokens, self.context)  # prompts being prefilled hold it all
+            num_local_blocks = min(num_blocks, max_batch * (
+                math.ceil(local_window / block_size) + 1) + math.ceil(most / block_size))
         self.scheduler = Scheduler(self.context, num_blocks, block_size, max_batch,
-                                   max_step_tokens, model.cfg.kv_window, prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+                                   max_step_tokens, model.cfg.kv_window, prefix_caching,
+                                   local_window, num_local_blocks)
+        self.runner = ModelRunner(model, num_blocks, block_size, num_local_blocks)
         self.device = self.runner.device
         self._incoming: list[Request] = []
         self._cancelled: set[int] = set()
@@ -98,9 +117,29 @@ class Engine:
     # the scheduler's state, as the engine's users read it
     blocks = property(lambda self: self.scheduler.blocks)
     pool = property(lambda self: self.runner.pool)
+    local_blocks = property(lambda self: self.scheduler.local_blocks)  # None: one pool
+    local_pool = property(lambda self: self.runner.local_pool)
     running = property(lambda self: self.scheduler.running)
     waiting = property(lambda self: self.scheduler.waiting)
     num_preemptions = property(lambda self: self.scheduler.num_preemptions)
+
+    @staticmethod
+    def local_window(cfg) -> int | None:
+        """The widest window of a model of local and global layers, whose windowed layers
+        get their own pool; None when every layer shares one (all global, or all
+        windowed: then blocks behind the widest window go back, GPTConfig.kv_window)."""
+        windows = [cfg.window_of(i) for i in range(cfg.n_layers)]
+        local = [w for w in windows if w is not None]
+        return max(local) if local and None in windows else None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks in use now, in every pool: what the requests' keys and
+        values hold (the pools' free blocks are allocated too, and not counted)."""
+        held = self.blocks.in_use() * self.pool.bytes_per_block
+        if self.local_blocks is not None:
+            held += self.local_blocks.in_use() * self.local_pool.bytes_per_block
+        return held
 
     # --- requests in ----------------------------------------------------------------
 
@@ -149,11 +188,13 @@ class Engine:
             raise RequestError("stop", "stop strings need the engine's tokenizer: "
                                "Engine(model, tokenizer, ...)")
         longest = min(len(prompt) + params.max_new_tokens, self.context)
-        if math.ceil(longest / self.block_size) > self.blocks.num_blocks:
-            raise RequestError(
-                "max_new_tokens", f"this request can grow to {longest} tokens, more than "
-                f"the whole KV pool ({self.blocks.num_blocks} blocks of {self.block_size}); "
-                "lower max_new_tokens or raise num_blocks")
+        for blocks, name in ((self.blocks, "num_blocks"), (self.local_blocks, "num_local_blocks")):
+            # (a preempted request recomputes all its tokens, so it needs them all at once)
+            if blocks is not None and math.ceil(longest / self.block_size) > blocks.num_blocks:
+                raise RequestError(
+                    "max_new_tokens", f"this request can grow to {longest} tokens, more than "
+                    f"the whole KV pool ({blocks.num_blocks} blocks of {self.block_size}); "
+                    f"lower max_new_tokens or raise {name}")
 
     def cancel(self, request: Request | int) -> None:
         """Stop a request at the next step; its blocks go back to the pool. Any thread."""

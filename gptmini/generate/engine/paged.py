@@ -1,14 +1,15 @@
 """The paged KV cache's memory: one pool of blocks per layer, read through slot tables.
 
-`KVPool` holds, for every layer, keys and values for `num_blocks * block_size` token
-slots (and each slot's position); slot `block * block_size + i` is token `i` of that
-block. A step sees the pool through one `PagedView` per layer, a KV cache as attention
-knows them (`gptmini.attention.BaseKVCache`): `update` writes the step's new tokens' keys,
-values and positions into their slots (the new tokens of every sequence, packed in one
-row), then reads back every key the step attends to, gathered by slot into one row per
-sequence, left-padded to the longest (the padding reads slot 0 and is hidden by the
-step's mask; see `gptmini.attention.context.Ragged`), into a buffer that every layer and
-step reuses.
+`KVPool` holds, for every layer (or for the layers of one group: a model of local and
+global layers has one pool for each, see gptmini.generate.engine.scheduler), keys and
+values for `num_blocks * block_size` token slots (and each slot's position); slot
+`block * block_size + i` is token `i` of that block. A step sees the pool through one
+`PagedView` per layer, a KV cache as attention knows them (`gptmini.attention.BaseKVCache`):
+`update` writes the step's new tokens' keys, values and positions into their slots (the new
+tokens of every sequence, packed in one row), then reads back every key the step attends
+to, gathered by slot into one row per sequence, left-padded to the longest (the padding
+reads slot 0 and is hidden by the step's mask; see `gptmini.attention.context.Ragged`),
+into a buffer that every layer and step reuses.
 Measured on a CPU (bench/bench_paged.py), that gather costs about what attention over it
 costs; attending over the whole pool instead, with other sequences' slots masked, costs
 10-100x more, so the gather stays.
@@ -21,12 +22,14 @@ from gptmini.attention import BaseKVCache
 
 
 class KVPool:
-    """Keys and values of every block, per layer: (num_slots, num_kv_heads, head_dim)."""
+    """Keys and values of every block, per layer: (num_slots, num_kv_heads, head_dim), for
+    `num_layers` layers (None: all of cfg's)."""
 
     def __init__(self, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, num_layers: int | None = None):
         kv_heads = cfg.n_kv_heads or cfg.n_heads
-        shape = (cfg.n_layers, num_blocks * block_size, kv_heads, cfg.emb_dim // cfg.n_heads)
+        num_layers = cfg.n_layers if num_layers is None else num_layers
+        shape = (num_layers, num_blocks * block_size, kv_heads, cfg.emb_dim // cfg.n_heads)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(shape[1], dtype=torch.long, device=device)  # per slot
@@ -52,6 +55,7 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
+        """Keys and values of one block in all of this pool's layers."""
         per_slot = self.keys[0, 0].numel() * self.keys.element_size() * 2  # keys and values
         return per_slot * self.block_size * self.keys.shape[0]
 

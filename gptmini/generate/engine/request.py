@@ -26,6 +26,9 @@ class Request:
     generator: torch.Generator | None = None
     table: list[int] = field(default_factory=list)
     """Block ids of the tokens in the cache, in order (-1: dropped behind the window)."""
+    local_table: list[int] = field(default_factory=list)
+    """With a model of local and global layers, the windowed layers' blocks, as `table`
+    (-1: dropped behind the widest local window); empty otherwise."""
     names: list[bytes] = field(default_factory=list)
     """Prefix-cache names of its full blocks, in order."""
     start: int = 0

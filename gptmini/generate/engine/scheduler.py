@@ -24,6 +24,18 @@ recomputes are prefills, and prefills go least recently served first (a new prom
 any request that has sampled, then the one that sampled longest ago): when more requests
 slide than one budget can recompute, they take turns instead of the oldest taking the whole
 budget at every step while the others wait for them to finish.
+
+Local and global layers (GPTConfig.layer_windows with a global layer among windowed ones):
+two pools, as vLLM's hybrid allocator keeps a block table per group of layers. `blocks` and
+a request's `table` hold the global layers' keys; `local_blocks` and its `local_table` (the
+same length, block i holding the same tokens) the windowed layers', and blocks of the local
+table wholly behind the widest local window go back to their pool (-1 in the table), so a
+sequence holds about window/block_size + 1 of them however long it grows. Both tables are
+allocated together (a prompt's blocks in both at admission, a decode's next block in both),
+and a request is preempted when either pool is short. Prefix caching names a block of both
+tables by the same hash; a prefix is reused only as far as the local pool still holds the
+blocks its window needs (those before it may be gone: they are -1), and a partly filled
+last block is adopted only when both pools still have it.
 """
 
 import math
@@ -58,14 +70,24 @@ class Scheduler:
         window_size: the model's sliding window, or None: blocks wholly behind the window
             go back to the pool as a request moves on.
         prefix_caching: reuse the blocks of prompts that start the same way.
+        local_window, num_local_blocks: with both, a second pool of `num_local_blocks` for
+            the windowed layers of a local/global model, its blocks behind `local_window`
+            (the widest local window) given back (see the module docstring).
     """
 
     def __init__(self, context_length: int, num_blocks: int, block_size: int, max_batch: int,
                  max_step_tokens: int, window_size: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, local_window: int | None = None,
+                 num_local_blocks: int | None = None):
+        if (local_window is None) != (num_local_blocks is None):
+            raise ValueError("give local_window and num_local_blocks together (a local "
+                             f"pool), or neither; got {local_window} and {num_local_blocks}")
         self.context, self.block_size, self.max_batch = context_length, block_size, max_batch
         self.max_step_tokens, self.window_size = max_step_tokens, window_size
         self.blocks = BlockAllocator(num_blocks, block_size)
+        self.local_window = local_window
+        self.local_blocks = (None if num_local_blocks is None
+                             else BlockAllocator(num_local_blocks, block_size))
         self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -112,18 +134,23 @@ class Scheduler:
             request.start = max(0, len(request.all_tokens) - self.context)
             tokens = request.all_tokens[request.start:]
             hits = self._cached_prefix(request, tokens)
+            local_hits = self._local_prefix(request, hits)  # (may shorten hits)
             needed = math.ceil(len(tokens) / self.block_size) - len(hits)
-            if needed > self.blocks.num_free:
-                for block in hits:
-                    self.blocks.release(block)
+            if self._short(needed):
+                self._release_table(self.blocks, hits)
+                self._release_table(self.local_blocks, local_hits)
                 break  # oldest first: later requests wait their turn
             request.names = request.names[:len(hits)]
             request.num_cached = len(hits) * self.block_size
             adopted = self._adopt_partial(request, tokens)
             if adopted is not None:  # (it takes the place of one block allocated below)
-                hits.append(adopted)
+                hits.append(adopted[0])
+                local_hits.append(adopted[1])
                 needed -= 1
             request.table = hits + [self.blocks.allocate() for _ in range(needed)]
+            if self.local_blocks is not None:
+                request.local_table = local_hits + [self.local_blocks.allocate()
+                                                    for _ in range(needed)]
             self.waiting.popleft()
             self.running.append(request)
 
@@ -144,20 +171,64 @@ class Scheduler:
         request.names = names
         return hits
 
-    def _adopt_partial(self, request: Request, tokens: list[int]) -> int | None:
+    def _local_prefix(self, request: Request, hits: list[int]) -> list[int]:
+        """The local table's start for a prefix of `hits` cached blocks: -1 behind the
+        window of the first token to compute, then the local pool's blocks of the same
+        names (each now used once more). Where the local pool no longer has them all,
+        `hits` is cut back (its blocks released) to the longest prefix it has. Empty
+        without a local pool."""
+        if self.local_blocks is None:
+            return []
+        size = self.block_size
+        for k in range(len(hits), -1, -1):  # k = 0 always succeeds: nothing to find
+            first = max(0, k * size + 1 - self.local_window) // size
+            found = []
+            for name in request.names[first:k]:
+                block = self.local_blocks.lookup(name)
+                if block is None:
+                    break
+                found.append(block)
+            if len(found) == k - first:
+                self._release_table(self.blocks, hits[k:])
+                del hits[k:]
+                return [-1] * first + found
+            self._release_table(self.local_blocks, found)
+        raise AssertionError("unreachable: an empty prefix needs no block")
+
+    def _adopt_partial(self, request: Request, tokens: list[int]
+                       ) -> tuple[int, int | None] | None:
         """After the cached full blocks: the longest partly filled block an ended request
         left (`BlockAllocator.adopt`) that `tokens` continue, its tokens added to
-        `request.num_cached`; None when there is none. The last token is always computed."""
+        `request.num_cached`, with the local pool's block of the same name (None without a
+        local pool); None when there is none (or the local pool no longer has it). The last
+        token is always computed."""
         if not self.prefix_caching:
             return None
         size, start = self.block_size, request.num_cached
         parent = request.names[-1] if request.names else None
         for k in range(min(size - 1, len(tokens) - 1 - start), 0, -1):
-            block = self.blocks.adopt(partial_hash(parent, tokens[start:start + k]))
-            if block is not None:
-                request.num_cached += k
-                return block
+            name = partial_hash(parent, tokens[start:start + k])
+            block = self.blocks.adopt(name)
+            if block is None:
+                continue
+            local = None if self.local_blocks is None else self.local_blocks.adopt(name)
+            if self.local_blocks is not None and local is None:
+                self.blocks.release(block)  # the windowed layers' half is gone: compute it
+                return None
+            request.num_cached += k
+            return block, local
         return None
+
+    def _short(self, needed: int) -> bool:
+        """Fewer than `needed` blocks free in a pool (either, with a local pool)."""
+        return needed > self.blocks.num_free or (
+            self.local_blocks is not None and needed > self.local_blocks.num_free)
+
+    @staticmethod
+    def _release_table(blocks: BlockAllocator | None, table: list[int]) -> None:
+        for block in table:
+            if block >= 0:  # -1: dropped behind the window already
+                blocks.release(block)
 
     def _reserve(self, decoding: list[Request]) -> list[Request]:
         """A slot for every decoding request's newest token, preempting the youngest
@@ -166,12 +237,14 @@ class Scheduler:
             if request not in self.running:
                 continue  # preempted for an older one
             if request.num_cached == len(request.table) * self.block_size:  # all full
-                while self.blocks.num_free == 0:
+                while self._short(1):
                     self._requeue(max(self.running, key=lambda r: r.id), preempted=True)
                     if request not in self.running:
                         break
                 else:
                     request.table.append(self.blocks.allocate())
+                    if self.local_blocks is not None:
+                        request.local_table.append(self.local_blocks.allocate())
         return [r for r in decoding if r in self.running]
 
     def _requeue(self, request: Request, preempted: bool = False) -> None:
@@ -183,18 +256,20 @@ class Scheduler:
             self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        size, partial = self.block_size, None
+        size = self.block_size
         full = request.num_cached // size
-        if (self.prefix_caching and request.num_cached % size and len(request.names) == full
-                and request.table[full] >= 0):  # a partly filled last block: named for adopt
-            tokens = request.all_tokens[request.start:][full * size:request.num_cached]
-            partial = full
-            self.blocks.release_partial(request.table[full], partial_hash(
-                request.names[-1] if request.names else None, tokens))
-        for i, block in enumerate(request.table):
-            if block >= 0 and i != partial:  # -1: dropped behind the window already
-                self.blocks.release(block)
-        request.table, request.num_cached, request.decoding = [], 0, False
+        tables = [(self.blocks, request.table), (self.local_blocks, request.local_table)]
+        for blocks, table in tables[:1 if self.local_blocks is None else 2]:
+            if (self.prefix_caching and request.num_cached % size
+                    and len(request.names) == full and table[full] >= 0):
+                # a partly filled last block: named for adopt (in both pools alike)
+                tokens = request.all_tokens[request.start:][full * size:request.num_cached]
+                blocks.release_partial(table[full], partial_hash(
+                    request.names[-1] if request.names else None, tokens))
+                table[full] = -1
+            self._release_table(blocks, table)
+        request.table, request.local_table = [], []
+        request.num_cached, request.decoding = 0, False
 
     # --- after a step -----------------------------------------------------------------
 
@@ -204,13 +279,16 @@ class Scheduler:
         leaving a hole (-1) in the table, so a sequence holds about window/block + 1 blocks.
         The holes still count as positions (read from a dummy slot that the window mask
         hides)."""
-        if self.window_size is None:
-            return
-        first_seen = request.num_cached + 1 - self.window_size
-        for i in range(max(0, first_seen) // self.block_size):
-            if request.table[i] >= 0:
-                self.blocks.release(request.table[i])
-                request.table[i] = -1
+        for blocks, table, window in ((self.blocks, request.table, self.window_size),
+                                      (self.local_blocks, request.local_table,
+                                       self.local_window)):
+            if window is None:
+                continue
+            first_seen = request.num_cached + 1 - window
+            for i in range(max(0, first_seen) // self.block_size):
+                if table[i] >= 0:
+                    blocks.release(table[i])
+                    table[i] = -1
 
     def _name_full_blocks(self, request: Request) -> None:
         if not self.prefix_caching:
@@ -220,4 +298,7 @@ class Scheduler:
             parent = request.names[-1] if request.names else None
             name = block_hash(parent, tokens[i * size:(i + 1) * size])
             request.table[i] = self.blocks.register(request.table[i], name)
+            if self.local_blocks is not None and request.local_table[i] >= 0:
+                request.local_table[i] = self.local_blocks.register(request.local_table[i],
+                                                                    name)
             request.names.append(name)
