@@ -230,6 +230,11 @@ class GPTConfig:
                    "leave n_kv_heads None with mla_kv_lora_rank")
         self._need(not self.qk_norm, "qk_norm", "multi-head latent attention normalizes its "
                    "latents instead: leave qk_norm False with mla_kv_lora_rank")
+        # MultiHeadLatentAttention has neither: accepted, they would be silently dropped
+        self._need(not self.attn_sinks, "attn_sinks", "multi-head latent attention has no "
+                   "sinks yet: leave attn_sinks False with mla_kv_lora_rank")
+        self._need(self.attn_gate == "none", "attn_gate", "multi-head latent attention has no "
+                   "output gate yet: leave attn_gate 'none' with mla_kv_lora_rank")
 
     @property
     def mla_dims(self) -> dict:

@@ -234,6 +234,14 @@ def test_config_refuses_mla_sizes_without_the_rank_and_gqa_with_it():
         tiny_config(mla_qk_rope_head_dim=3)
 
 
+def test_config_refuses_sinks_and_gate_that_mla_would_drop():
+    """MultiHeadLatentAttention builds neither: the model would train without them."""
+    with pytest.raises(ValueError, match="attn_sinks.*no sinks"):
+        tiny_config(attn_sinks=True)
+    with pytest.raises(ValueError, match="attn_gate.*no output gate"):
+        tiny_config(attn_gate="elementwise")
+
+
 def latent_cache_step(module, x_new, cache):
     """The kit's kv_step: MLA's own cache (latents and rotary keys) across calls."""
     cache = KVCache() if cache is None else cache
