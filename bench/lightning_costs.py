@@ -9,8 +9,9 @@ and checkpointing every STEPS // 3 steps (its own 20 validation batches), in a t
 directory. Printed: the wall clock of `fit`, what came before the first step (data,
 tokenizer, model, the sanity check), the median step's forward, backward and optimizer (with
 clipping), Lightning's loop between steps (callbacks, logging, the progress bar), each
-validation's and each checkpoint's seconds, and what they come to over the default run
-(1,150 steps, a validation and a checkpoint every 200).
+validation's and each checkpoint's seconds, the first step's (compiling, when the run
+compiles) and what they come to over the default run (its config's max_steps, a validation
+and a checkpoint every val_check_interval).
 """
 
 import argparse
@@ -18,11 +19,13 @@ import statistics
 import tempfile
 import time
 
+import yaml
 from lightning.pytorch import Callback
 
-from gptmini.train.command import build_cli, fit
+from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit
 
-DEFAULT_STEPS, DEFAULT_EVERY = 1150, 200  # the shipped config's max_steps, intervals
+_TRAINER = yaml.safe_load(DEFAULT_CONFIG.read_text())["trainer"]
+DEFAULT_STEPS, DEFAULT_EVERY = _TRAINER["max_steps"], _TRAINER["val_check_interval"]
 
 
 class PhaseTimer(Callback):
@@ -94,23 +97,27 @@ def lightning_costs(steps: int, cache_dir: str | None = None,
     before = timer.first_step_at - start
     median = {p: statistics.median(s[p] for s in timer.steps) for p in timer.steps[0]}
     step = sum(median.values())
+    first = sum(timer.steps[0].values())  # a compiled run compiles here
     validation = statistics.median(timer.validations) if timer.validations else 0.0
     saved = statistics.median(saves) if saves else 0.0
     print(f"\ntrain.py's default run, {steps} steps (validating and checkpointing every "
-          f"{every}): fit {wall:.1f} s, {before:.1f} s before the first step")
+          f"{every}): fit {wall:.1f} s, {before:.1f} s before the first step, the first "
+          f"step {first:.1f} s")
     print("  median step " + ", ".join(f"{p} {v * 1e3:.1f} ms" for p, v in median.items())
           + f" (sum {step * 1e3:.1f} ms)")
     print(f"  a validation {validation:.2f} s ({len(timer.validations)} timed), a checkpoint "
           f"{saved:.2f} s ({len(saves)} timed)")
     runs = DEFAULT_STEPS // DEFAULT_EVERY + 1  # every 200 steps, and at the end
-    total = before + DEFAULT_STEPS * step + runs * (validation + saved)
+    extra = max(0.0, first - step)  # what the first step cost beyond a step: compiling
+    total = before + extra + DEFAULT_STEPS * step + runs * (validation + saved)
     print(f"  over the default run ({DEFAULT_STEPS} steps, about {runs} validations and "
           f"checkpoints): steps {DEFAULT_STEPS * step / total:.1%} (Lightning's loop "
           f"{DEFAULT_STEPS * median['loop'] / total:.1%}), validation "
-          f"{runs * validation / total:.1%}, checkpoints {runs * saved / total:.1%}, before "
-          f"the first step {before / total:.1%} of about {total:.0f} s")
-    return {"wall": wall, "before": before, "step": median, "validation": validation,
-            "checkpoint": saved}
+          f"{runs * validation / total:.1%}, checkpoints {runs * saved / total:.1%}, the "
+          f"first step's extra {extra / total:.1%}, before the first step "
+          f"{before / total:.1%} of about {total:.0f} s")
+    return {"wall": wall, "before": before, "first_step": first, "step": median,
+            "validation": validation, "checkpoint": saved}
 
 
 def main():

@@ -7,11 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from gptmini.train.command import DEFAULT_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = '{"model": {"n_layers": 1, "emb_dim": 32, "n_heads": 2}, "warmup_steps": 2}'
 TINY_FLAGS = ["--model.n_layers", "1", "--model.emb_dim", "32", "--model.n_heads", "2",
-              "--trainer.limit_val_batches", "2", "--model.warmup_steps", "2"]
+              "--trainer.limit_val_batches", "2", "--model.warmup_steps", "2",
+              "--model.compile", "false"]  # the default run compiles: a minute of CI
 
 
 def run_bench(args: list[str]) -> str:
@@ -48,4 +52,25 @@ def test_lightning_costs_splits_a_train_py_run(tmp_path):
                      "--", *TINY_FLAGS])
     assert "median step forward" in out and "loop" in out
     assert "a validation" in out and "a checkpoint" in out
-    assert "over the default run (1150 steps" in out
+    default = yaml.safe_load(DEFAULT_CONFIG.read_text())["trainer"]["max_steps"]
+    assert f"over the default run ({default} steps" in out and "the first step" in out
+
+
+def test_the_speedruns_default_recipe_is_the_shipped_default_run(monkeypatch):
+    """The recipe the docs compare as "default" trains what `train.py` with no arguments
+    trains (the same blocks, shape, optimizer, rates, batch and compiling)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("speedrun", ROOT / "bench" / "speedrun.py")
+    speedrun = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speedrun)
+    recipe = speedrun.recipe_settings("default")
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    model = shipped["model"]
+    for field, value in recipe["model"].items():
+        assert model.get(field, value) == value, field  # unset in the YAML: GPTConfig's
+    for field in ("optimizer", "learning_rate", "muon_learning_rate", "warmup_steps",
+                  "min_lr_ratio", "weight_decay", "compile"):
+        assert model[field] == recipe[field], field
+    assert shipped["data"]["loader"]["batch_size"] == recipe["batch_size"]
