@@ -11,7 +11,9 @@ an AVX2-only CPU), so there "auto" is float32.
 
 import argparse
 import functools
+import os
 import platform
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,8 +22,8 @@ from types import MappingProxyType
 import torch
 
 __all__ = ["AUTO", "DENSE_GPU_PEAKS", "add_device_options", "auto_dtype", "auto_precision",
-           "cpu_has_bf16", "device_has_bf16", "measure_matmul_flops", "peak_flops_of",
-           "resolve_device"]
+           "compile_blocker", "cpu_has_bf16", "device_has_bf16", "measure_matmul_flops",
+           "peak_flops_of", "resolve_device"]
 
 AUTO = "auto"
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -128,6 +130,31 @@ def resolve_device(name: str) -> torch.device:
     except Exception as err:  # backends report missing devices with different types
         raise ValueError(f"--device {name} is not available ({err}); use --device cpu") from None
     return device
+
+
+def compile_blocker(device: torch.device | str) -> str | None:
+    """Why `torch.compile` cannot build kernels for `device` here, or None if it can.
+
+    On a CPU, inductor writes C++ and builds it with the machine's compiler (`$CXX`, else
+    g++ or clang++; cl on Windows): a laptop without one would fail at the first training
+    step, deep inside torch. CUDA GPUs compile through Triton, which ships with CUDA builds;
+    inductor's Apple GPU backend is a prototype, so mps is answered with a reason too.
+    """
+    kind = torch.device(device).type
+    if kind == "mps":  # the default run compiles, and an Apple GPU should still train it
+        return ("torch.compile's Apple GPU (mps) backend is a prototype in torch 2.x; set "
+                "--model.compile false there")
+    if kind != "cpu":
+        return None
+    if os.environ.get("CXX"):
+        names = (os.environ["CXX"],)
+    else:
+        names = ("cl",) if platform.system() == "Windows" else ("g++", "clang++", "c++")
+    if any(shutil.which(name) for name in names):
+        return None
+    return (f"torch.compile on a CPU builds C++ kernels and found no compiler ({', '.join(names)}"
+            " on PATH); install one (e.g. apt install g++, xcode-select --install) or set "
+            "--model.compile false")
 
 
 DENSE_GPU_PEAKS: Mapping[str, Mapping] = MappingProxyType({

@@ -76,3 +76,34 @@ def test_a_gpus_peak_is_its_dense_rate(monkeypatch, matmul_precision, name, bf16
         fp32 = peak_flops_of(cuda, torch.float32)
         matmul_precision("high")  # float32 matmuls may use TF32
         assert fp32 < peak_flops_of(cuda, torch.float32) < bf16
+
+
+def test_compile_needs_a_cpp_compiler_on_a_cpu(monkeypatch, tmp_path):
+    """No compiler on PATH: the reason names the fix; $CXX or g++ found, or a GPU: None."""
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, clang++, c++
+    reason = precision.compile_blocker("cpu")
+    assert reason is not None and "--model.compile false" in reason and "g++" in reason
+    assert precision.compile_blocker("cuda") is None  # Triton, not a C++ compiler
+    assert "prototype" in precision.compile_blocker("mps")
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert precision.compile_blocker("cpu") is None
+    fake.unlink()
+    monkeypatch.setenv("CXX", str(tmp_path / "my-cxx"))
+    assert "my-cxx" in precision.compile_blocker("cpu")
+
+
+def test_a_compiled_run_without_a_compiler_warns_and_trains_eagerly(monkeypatch, tmp_path):
+    from gptmini.train.module import GPTLitModule
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    module = GPTLitModule(tokenizer="byte", context_length=8, emb_dim=16, n_heads=2,
+                          n_layers=1, compile=True)
+    with pytest.warns(UserWarning, match="no compiler.*training eagerly"):
+        module.configure_model()
+    batch = torch.randint(0, 257, (2, 9))
+    loss = module.model(batch[:, :-1], targets=batch[:, 1:])  # eager: no C++ is built
+    assert torch.isfinite(loss)

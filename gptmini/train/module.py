@@ -23,7 +23,7 @@ from gptmini.finetune import (
 from gptmini.finetune.chat import grow_vocab
 from gptmini.model import ConfigError, GPTConfig, GPTModel, is_finite_number
 from gptmini.model.flops import flops_per_token
-from gptmini.runtime import peak_flops_of
+from gptmini.runtime import compile_blocker, peak_flops_of
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
 from gptmini.train.optim import (
     apply_changed_settings,
@@ -159,8 +159,18 @@ class GPTLitModule(L.LightningModule):
     # --- setup ------------------------------------------------------------------------
 
     def configure_model(self):
-        if self.hparams.compile:
-            self.model.compile()  # in place: parameter names (checkpoints) do not change
+        if not self.hparams.compile:
+            return
+        try:  # where it will train (Lightning calls this before moving the model there)
+            device = self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            device = self.device
+        blocker = compile_blocker(device)
+        if blocker is not None:  # the default run compiles: a newcomer's laptop still trains
+            warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
+                          stacklevel=2)
+            return
+        self.model.compile()  # in place: parameter names (checkpoints) do not change
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:
@@ -263,9 +273,12 @@ class GPTLitModule(L.LightningModule):
             self._val_confusion += accuracy_and_confusion(predicted, batch[2], num_classes)[1]
             return
         inputs, targets, *documents = batch
-        nats = self.model(inputs, targets=targets, reduction="none",
-                          document_ids=documents[0] if documents else None,
-                          loss_chunk_size=self.hparams.loss_chunk_size)
+        # A compiled model would compile a second graph for this (no gradients, per-token
+        # losses, the last batch's shape): on a CPU that costs more than a run's validations.
+        with torch.compiler.set_stance("force_eager"):
+            nats = self.model(inputs, targets=targets, reduction="none",
+                              document_ids=documents[0] if documents else None,
+                              loss_chunk_size=self.hparams.loss_chunk_size)
         counted = targets != -100  # cross_entropy's ignore_index
         self.log("val/loss", nats.sum() / counted.sum(), sync_dist=True)
         # Bits per byte compares tokenizers: the nats of the targets over the bytes of text

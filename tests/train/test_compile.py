@@ -36,3 +36,27 @@ def test_compiled_and_eager_steps_give_the_same_loss_and_gradients():
         for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters(),
                                 strict=True):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_compiled_train_py_run_trains_validates_and_its_checkpoint_loads(tmp_path):
+    """train.py's own path (the default run compiles): Lightning's configure_model compiles
+    on the trainer's device, validation runs eagerly beside it, the checkpoint is plain."""
+    from helpers import tiny_args
+
+    from gptmini.checkpoint import load_checkpoint
+    from gptmini.runtime import compile_blocker
+    from gptmini.train.command import main
+
+    if compile_blocker("cpu"):
+        pytest.skip(compile_blocker("cpu"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 40)
+    args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "4",
+                     "--trainer.val_check_interval", "2", "--checkpoint_every", "4",
+                     "--model.compile", "true")
+    assert main(args) == 0
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["compile"] is True
+    model = load_checkpoint(checkpoint).model  # no compiled wrapper's names in the weights
+    assert model(torch.tensor([[1, 2, 3]])).shape[-1] == model.cfg.vocab_size
