@@ -129,6 +129,7 @@ def tiny_args(tmp_path, corpus, *extra: str) -> list[str]:
         "--model.learning_rate", "3e-3",
         "--model.peak_flops", "1e10",
         "--model.tokenizer", "gpt2",  # the tests' tiny runs keep GPT-2's ids (no fitting)
+        "--model.compile", "false",  # the default run compiles: a minute per new shape here
         "--data.corpus.source", str(corpus),
         "--data.loader.batch_size", "4",
         "--data.corpus.cache_dir", str(corpus.parent / "cache"),

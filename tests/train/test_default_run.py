@@ -17,7 +17,8 @@ from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate
 from gptmini.train.command import DEFAULT_CONFIG, main
 
-RECIPE = ("position", "norm", "mlp", "qk_norm", "bias", "tie_weights")
+RECIPE = ("position", "norm", "mlp", "qk_norm", "bias", "tie_weights", "n_kv_heads",
+          "attention_backend")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,8 @@ BOOK_DEFAULT = {  # the default run before the speedrun (gptmini/configs/shakesp
               "n_layers": 4, "drop_rate": 0.0, "tie_weights": True, "learning_rate": 0.002,
               "warmup_steps": 100, "min_lr_ratio": 0.1, "weight_decay": 0.1,
               "position": "learned", "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
-              "qk_norm": False, "bias": True, "optimizer": "adamw"},
+              "qk_norm": False, "bias": True, "optimizer": "adamw", "n_kv_heads": None,
+              "attention_backend": "sdpa", "compile": False},
     "trainer": {"max_steps": 2400, "val_check_interval": 200, "limit_val_batches": 20,
                 "gradient_clip_val": 1.0},
     "data": {"loader.batch_size": 8, "corpus.val_fraction": 0.05, "corpus.source": None},
