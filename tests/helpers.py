@@ -1,6 +1,7 @@
 """Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
 
 import csv
+import random
 import socket
 import struct
 import subprocess
@@ -189,3 +190,12 @@ def scripted_model(vocab_size: int, script: dict[int, int], default: int,
     for token, k in slot.items():
         model.out_head.weight[token, k] = 10.0
     return model
+
+
+def random_requests(n: int, seed: int, shared_prefix: int = 0):
+    """(prompt of byte ids, tokens to generate, arrival step) for `n` engine requests; the
+    first `shared_prefix` ids of every prompt alike (for prefix caching)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared_prefix)]
+    return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
+             rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]

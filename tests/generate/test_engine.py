@@ -4,11 +4,11 @@ Every identical-token test runs in float64: float32 kernels differ between batch
 (a padded decode batch vs one prompt alone) by more than a near-tie between two logits.
 """
 
-import random
 import threading
 
 import pytest
 import torch
+from helpers import random_requests
 
 from gptmini.generate.engine import Engine, SamplingParams
 from gptmini.generate.loop import generate
@@ -32,13 +32,6 @@ def alone(model, prompt, max_new_tokens, **settings) -> list[int]:
     out = generate(model, torch.tensor([prompt]), max_new_tokens, use_cache=True,
                    sampling=SamplingParams(**settings))
     return out[0, len(prompt):].tolist()
-
-
-def random_requests(n: int, seed: int, shared_prefix: int = 0):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(256) for _ in range(shared_prefix)]
-    return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
-             rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]  # prompt, output, arrival
 
 
 def run(engine, requests, cancel_at=None, **settings):

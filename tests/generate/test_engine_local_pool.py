@@ -8,10 +8,10 @@ that tokens must be identical.
 """
 
 import math
-import random
 
 import pytest
 import torch
+from helpers import random_requests
 
 from gptmini.generate.engine import Engine, block_hash
 from gptmini.generate.loop import generate
@@ -43,13 +43,6 @@ def recomputed(model, prompt, max_new_tokens) -> list[int]:
     """The oracle: every token from a full pass over the (cropped) sequence, no cache."""
     out = generate(model, torch.tensor([prompt]), max_new_tokens, use_cache=False)
     return out[0, len(prompt):].tolist()
-
-
-def random_requests(n: int, seed: int, shared_prefix: int = 0):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(256) for _ in range(shared_prefix)]
-    return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
-             rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]  # prompt, output, arrival
 
 
 def held(table: list[int]) -> int:
