@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from gptmini.convert.llama import TABLE as LLAMA_TABLE
 from gptmini.convert.llama import interleaved_to_halves, rope_base
 from gptmini.convert.weights import (
     config_integer,
@@ -46,21 +47,14 @@ DEEPSEEK = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": Fals
             "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS}
 """The GPTConfig options a dense DeepSeek-V3 has, beside mla_kv_lora_rank."""
 
-_FRAME = (  # (gptmini name, Hugging Face name); {i}: every layer
-    ("tok_emb.weight", "model.embed_tokens.weight"),
-    ("trf_blocks.{i}.norm1.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("trf_blocks.{i}.att.out_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+# (gptmini name, Hugging Face name); {i}: every layer. A dense DeepSeek-V3 is Llama's
+# frame (embedding, norms, output projection, SwiGLU, head) around MLA's projections.
+_FRAME = tuple(row for row in LLAMA_TABLE if ".att.W_" not in row[0]) + (
     ("trf_blocks.{i}.att.kv_a_proj_with_mqa.weight",
      "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"),
     ("trf_blocks.{i}.att.kv_a_layernorm.weight",
      "model.layers.{i}.self_attn.kv_a_layernorm.weight"),
     ("trf_blocks.{i}.att.kv_b_proj.weight", "model.layers.{i}.self_attn.kv_b_proj.weight"),
-    ("trf_blocks.{i}.norm2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("trf_blocks.{i}.ff.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("trf_blocks.{i}.ff.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("trf_blocks.{i}.ff.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("final_norm.weight", "model.norm.weight"),
-    ("out_head.weight", "lm_head.weight"),
 )
 _FULL_QUERY = (("trf_blocks.{i}.att.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),)
 _QUERY_LATENT = (  # with q_lora_rank: the query through its own latent
