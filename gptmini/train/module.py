@@ -23,8 +23,9 @@ from gptmini.finetune import (
 from gptmini.finetune.chat import grow_vocab
 from gptmini.model import ConfigError, GPTConfig, GPTModel, is_finite_number
 from gptmini.model.flops import flops_per_token
-from gptmini.runtime import compile_blocker, peak_flops_of
+from gptmini.runtime import peak_flops_of
 from gptmini.tokenizer import get_tokenizer, token_byte_lengths
+from gptmini.train.compiling import compile_for_training
 from gptmini.train.optim import (
     apply_changed_settings,
     check_muon_settings,
@@ -152,6 +153,9 @@ class GPTLitModule(L.LightningModule):
         self._token_bytes: Tensor | None = None  # bytes of text per id, for val/bpb
         self._val_nats = self._val_bytes = None
         self._val_confusion: Tensor | None = None  # a classifier's validation counts
+        self.compiled = False
+        """Whether configure_model compiled the model (the progress bar says so while the
+        first step compiles)."""
         self.resuming = False
         """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
         after `setup`, which must already know not to load `init_from` (train.py sets it)."""
@@ -165,12 +169,7 @@ class GPTLitModule(L.LightningModule):
             device = self.trainer.strategy.root_device
         except RuntimeError:  # not attached to a Trainer
             device = self.device
-        blocker = compile_blocker(device)
-        if blocker is not None:  # the default run compiles: a newcomer's laptop still trains
-            warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
-                          stacklevel=2)
-            return
-        self.model.compile()  # in place: parameter names (checkpoints) do not change
+        self.compiled = compile_for_training(self.model, device)  # see gptmini.train.compiling
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:
