@@ -3,9 +3,9 @@
 `Engine` (engine.py) takes requests (request.py) at any time and steps them together over
 a paged KV cache: the `Scheduler` (scheduler.py) decides what each step computes, within
 the blocks that `BlockAllocator` (blocks.py) hands out with reference counts and a prefix
-cache; the `ModelRunner` (runner.py) turns a step into tensors and runs the model once,
-over `KVPool` (paged.py), which holds the blocks' keys and values and shows them to the
-model as ordinary caches.
+cache; the `ModelRunner` (runner.py) packs a step's tokens in one row (`PackedRow`,
+packed.py) and runs the model once, over `KVPool` (paged.py), which holds the blocks' keys
+and values and shows them to the model as ordinary caches.
 
     engine = Engine(model, tokenizer)
     done = engine.generate([tokenizer.encode("ROMEO:"), ...], max_new_tokens=50)
@@ -13,6 +13,7 @@ model as ordinary caches.
 
 from gptmini.generate.engine.blocks import BlockAllocator, block_hash
 from gptmini.generate.engine.engine import Engine
+from gptmini.generate.engine.packed import PackedRow
 from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.generate.engine.request import Request
 from gptmini.generate.engine.runner import ModelRunner
@@ -20,4 +21,4 @@ from gptmini.generate.engine.scheduler import Chunk, Scheduler
 from gptmini.generate.sampling import Detokenizer, SamplingParams
 
 __all__ = ["BlockAllocator", "Chunk", "Detokenizer", "Engine", "KVPool", "ModelRunner",
-           "PagedView", "Request", "SamplingParams", "Scheduler", "block_hash"]
+           "PackedRow", "PagedView", "Request", "SamplingParams", "Scheduler", "block_hash"]
