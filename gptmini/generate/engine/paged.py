@@ -1,7 +1,7 @@
 """The paged KV cache's memory: one pool of blocks per layer, read through slot tables.
 
 `KVPool` holds, for every layer (or for the layers of one group: a model of local and
-global layers has one pool for each, see gptmini.generate.engine.scheduler), keys and
+global layers has one pool for each, see gptmini.generate.engine.block_manager), keys and
 values for `num_blocks * block_size` token slots (and each slot's position); slot
 `block * block_size + i` is token `i` of that block. A step sees the pool through one
 `PagedView` per layer, a KV cache as attention knows them (`gptmini.attention.BaseKVCache`):
