@@ -8,6 +8,7 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
     wandb/                  when --wandb true
 """
 
+import argparse
 import ctypes
 import ctypes.util
 import difflib
@@ -464,7 +465,14 @@ def default_config_files(args: list[str] | None) -> list[str]:
     them, and changed whenever the default run did. Flags alone still change the default run.
     """
     args = sys.argv[1:] if args is None else args
-    named = any(str(a) == "--config" or str(a).startswith("--config=") for a in args)
+    # argparse's own reading of the option (-c FILE, -cFILE, --config=FILE);
+    # a malformed one is left to the real parser, which names it
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("-c", "--config", action="append")
+    try:
+        named = probe.parse_known_args([str(a) for a in args])[0].config
+    except argparse.ArgumentError:
+        named = None
     return [] if named else [str(DEFAULT_CONFIG)]
 
 

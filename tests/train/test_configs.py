@@ -186,6 +186,8 @@ def test_a_config_file_is_a_whole_run_not_changes_to_the_default_run(tmp_path, r
     assert {k: classes["model"][k] for k in ("emb_dim", "n_heads", "context_length")} == {
         k: GPT_CONFIG_124M[k] for k in ("emb_dim", "n_heads", "context_length")}
     assert classes["model"]["optimizer"] == "adamw"
+    for spelled in (["-c", str(mine)], [f"-c{mine}"], [f"--config={mine}"]):
+        assert resolve(*spelled)["model"] == classes["model"], spelled  # argparse's forms
     # To build on the default run, a file names it: its YAML first.
     on_top = resolve("--config", str(DEFAULT_CONFIG), "--config", str(mine))
     assert on_top["model"] == {**resolved["default"]["model"], "n_layers": 2}
