@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gptmini.data import (
     resolve_source,
@@ -199,3 +200,20 @@ def random_requests(n: int, seed: int, shared_prefix: int = 0):
     prefix = [rng.randrange(256) for _ in range(shared_prefix)]
     return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
              rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]
+
+
+class HostReads(TorchDispatchMode):
+    """Records every read of a tensor's value by the host (`bool(t)`, `t.item()`, `if t:`):
+    on a GPU each one waits for the device, so a training step must do none. The CPU's
+    stand-in for `torch.cuda.set_sync_debug_mode("error")`, which only CUDA has."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -30,6 +30,7 @@ from gptmini.train.optim import (
     check_muon_settings,
     check_optimizer,
     make_optimizer,
+    skips_on_device,
     warmup_cosine,
 )
 from gptmini.train.rng import rng_states, set_rng_states
@@ -324,15 +325,15 @@ class GPTLitModule(L.LightningModule):
     def _skip_if_not_finite(self, optimizer, norm: Tensor) -> None:
         """A NaN or infinite loss or gradient never updates the weights.
 
-        Fused AdamW skips its update on the device when `found_inf` is set (what a grad
-        scaler does), so nothing waits for the answer; the step is counted on the device
+        Fused AdamW (and MuonAdamW) skips its update on the device when `found_inf` is set
+        (what a grad scaler does), so nothing waits for the answer; the step is counted on the device
         and reported at the next logging step or checkpoint save. fp16 mixed precision
         overflows on purpose and its grad scaler skips those steps itself.
         """
         if str(self.trainer.precision) == "16-mixed":
             return
         bad = ~torch.isfinite(norm)  # a NaN loss makes NaN gradients, hence a NaN norm
-        if optimizer.defaults.get("fused"):
+        if skips_on_device(optimizer):  # fused AdamW, MuonAdamW
             optimizer.found_inf = bad.float()
         elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
             optimizer.zero_grad(set_to_none=True)
