@@ -1,6 +1,7 @@
 """Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
 
 import csv
+import os
 import random
 import socket
 import struct
@@ -217,3 +218,31 @@ class HostReads(TorchDispatchMode):
         if func in self.READS:
             self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now (for a process group's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), out / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
+    """`fn(rank, world, *args)` in `world` processes joined by a gloo process group on
+    loopback; returns what each rank returned (saved with torch.save), in rank order. `fn`
+    must be importable by name (a test module's top-level function)."""
+    out = tmp_path / f"ranks-{free_port()}"
+    out.mkdir()
+    torch.multiprocessing.spawn(_rank_main, args=(world, free_port(), fn, args, out),
+                                nprocs=world)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]

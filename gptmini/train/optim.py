@@ -261,8 +261,9 @@ def _owners_orthogonalize(shards: list[torch.Tensor], rows: int, cols: int, mesh
         whole[:owned, :rows] = result.mT if result.shape != mine.shape else result
     whole[owned:] = 0
     outgoing = whole.reshape(per_owner, world, chunk, cols).transpose(0, 1).contiguous()
-    torch.distributed.all_to_all_single(incoming, outgoing, group=group)  # (owner, slot, ...)
-    return [incoming[j // per_owner, j % per_owner, :shard.size(0)]
+    returned = torch.empty_like(outgoing)  # (owner, slot, ...); `outgoing` may alias incoming
+    torch.distributed.all_to_all_single(returned, outgoing, group=group)
+    return [returned[j // per_owner, j % per_owner, :shard.size(0)]
             for j, shard in enumerate(shards)]
 
 
