@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
 from gptmini.checkpoint import CONFIG_FIELDS, model_config, write_model_entries
 from gptmini.finetune import (
@@ -34,6 +35,7 @@ from gptmini.train.optim import (
     warmup_cosine,
 )
 from gptmini.train.rng import rng_states, set_rng_states
+from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.steps import OptimizerSteps, SkippedSteps
 
 
@@ -160,18 +162,23 @@ class GPTLitModule(L.LightningModule):
     # --- setup ------------------------------------------------------------------------
 
     def configure_model(self):
-        if not self.hparams.compile:
-            return
         try:  # where it will train (Lightning calls this before moving the model there)
-            device = self.trainer.strategy.root_device
+            strategy = self.trainer.strategy
+            device = strategy.root_device
         except RuntimeError:  # not attached to a Trainer
-            device = self.device
-        blocker = compile_blocker(device)
+            strategy, device = None, self.device
+        compile = self.hparams.compile
+        blocker = compile_blocker(device) if compile else None
         if blocker is not None:  # the default run compiles: a newcomer's laptop still trains
             warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
                           stacklevel=2)
+            compile = False
+        if isinstance(strategy, FSDP2Strategy):  # each block compiled, then sharded
+            if not is_sharded_run(self.model):
+                shard_model(self.model, strategy.mesh, str(self.trainer.precision), compile)
             return
-        self.model.compile()  # in place: parameter names (checkpoints) do not change
+        if compile:
+            self.model.compile()  # in place: parameter names (checkpoints) do not change
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:
@@ -319,6 +326,8 @@ class GPTLitModule(L.LightningModule):
                 norm = wrapped.clip_grad_norm_(max_norm)  # over the shards of every rank
             else:
                 norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        if isinstance(norm, DTensor):  # FSDP2: the norm over every rank's shards
+            norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         self._skip_if_not_finite(optimizer, norm)
 
@@ -326,8 +335,8 @@ class GPTLitModule(L.LightningModule):
         """A NaN or infinite loss or gradient never updates the weights.
 
         Fused AdamW (and MuonAdamW) skips its update on the device when `found_inf` is set
-        (what a grad scaler does), so nothing waits for the answer; the step is counted on the device
-        and reported at the next logging step or checkpoint save. fp16 mixed precision
+        (what a grad scaler does), so nothing waits for the answer; the step is counted on
+        the device and reported at the next logging step or checkpoint save. fp16 mixed precision
         overflows on purpose and its grad scaler skips those steps itself.
         """
         if str(self.trainer.precision) == "16-mixed":
