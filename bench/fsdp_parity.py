@@ -116,20 +116,27 @@ def run_args(root: Path, name: str, *, steps: int, batch: int, shape: dict,
 
 
 def launch(root: Path, name: str, args: list[str], *, copy_at: int | None = None,
-           command: list[str] | None = None, env: dict | None = None) -> list[dict]:
-    """Run train.py's `args` as `name` (`command`: how to start it, e.g. torchrun's; one
-    process by default, which Lightning starts again per rank); each rank's record."""
+           commands: list[list[str]] | None = None, env: dict | None = None) -> list[dict]:
+    """Run train.py's `args` as `name`; each rank's record. `commands`: how to start it,
+    all at once (torchrun on each node); by default one process, which Lightning starts
+    again for each further rank."""
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO),
            "PARITY_COPY_AT": "" if copy_at is None else str(copy_at), **(env or {})}
-    starts = [command or [sys.executable, str(HERE)]]
-    done = [subprocess.run([*start, "--train", str(out), "--", *args], env=env, cwd=root,
-                           capture_output=True, text=True, timeout=900) for start in starts]
-    for proc in done:
-        if proc.returncode:
-            raise RuntimeError(f"{name} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    starts = commands or [[sys.executable, str(HERE)]]
+    procs = [subprocess.Popen([*start, "--train", str(out), "--", *args], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for start in starts]  # at once: the nodes of one job
+    try:
+        done = [(proc.communicate(timeout=900), proc.returncode) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for (_, err), code in done:
+        if code:
+            raise RuntimeError(f"{name} failed ({code}): {err[-3000:]}")
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
@@ -170,6 +177,148 @@ def parity(root: Path, optimizer: str, steps: int, shape: dict, batch: int = 4) 
                 weights(checkpoint(root, f"fsdp2-{optimizer}")))}
 
 
+FSDP2_ON = ("--trainer.strategy", "fsdp2", "--trainer.devices")
+
+
+def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: int = 4) -> dict:
+    """A checkpoint of step `at` resumed to `steps`: on two ranks from two (against the two
+    ranks' straight run), on one FSDP2 rank from two (2 -> 1) and on two from the one
+    process's file (1 -> 2), each against the one process's straight run."""
+    def run(name: str, *extra: str, per_rank: int = batch, copy: bool = False) -> list[dict]:
+        args = run_args(root, name, steps=steps, batch=per_rank, shape=shape,
+                        optimizer=optimizer, extra=extra)
+        return launch(root, name, args, copy_at=at if copy else None)
+
+    one = run(f"one-{optimizer}", per_rank=2 * batch, copy=True)
+    two = run(f"fsdp2-{optimizer}", *FSDP2_ON, "2", copy=True)
+    sharded = checkpoint(root, f"fsdp2-{optimizer}", f"step{at}.ckpt")
+    single = checkpoint(root, f"one-{optimizer}", f"step{at}.ckpt")
+    again = run(f"2to2-{optimizer}", *FSDP2_ON, "2", "--ckpt_path", str(sharded))
+    to_one = run(f"2to1-{optimizer}", *FSDP2_ON, "1", "--ckpt_path", str(sharded),
+                 per_rank=2 * batch)
+    to_two = run(f"1to2-{optimizer}", *FSDP2_ON, "2", "--ckpt_path", str(single))
+    straight, two_straight = global_losses(one)[at:], global_losses(two)[at:]
+
+    def against(records: list[dict], losses: list[float], name: str, reference: str) -> dict:
+        got = global_losses(records)
+        return {"steps": len(got),
+                "largest_loss_difference": max(abs(x - y)
+                                               for x, y in zip(got, losses, strict=True)),
+                "weights_difference": largest_difference(weights(checkpoint(root, name)),
+                                                         weights(checkpoint(root, reference)))}
+
+    return {"same_world_size": against(again, two_straight, f"2to2-{optimizer}",
+                                       f"fsdp2-{optimizer}"),
+            "two_to_one": against(to_one, straight, f"2to1-{optimizer}", f"one-{optimizer}"),
+            "one_to_two": against(to_two, straight, f"1to2-{optimizer}", f"one-{optimizer}"),
+            "sharded": sharded, "single": single}
+
+
+def torchrun(nodes: int, per_node: int, port: int) -> list[list[str]]:
+    """The torchrun command of each node of a job on 127.0.0.1 (gloo over loopback)."""
+    return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+             "--nproc_per_node", str(per_node), "--node_rank", str(rank), "--master_addr",
+             "127.0.0.1", "--master_port", str(port), str(HERE)] for rank in range(nodes)]
+
+
+def nodes(root: Path, optimizer: str, steps: int, at: int, shape: dict,
+          batch: int = 4) -> dict:
+    """torchrun --nnodes 2 (one process each), stopped at step `at` and resumed, against
+    torchrun with one node of two processes straight to `steps`."""
+    def args(name: str, *extra: str) -> list[str]:
+        return run_args(root, name, steps=steps, batch=batch, shape=shape,
+                        optimizer=optimizer, extra=("--trainer.strategy", "fsdp2", *extra))
+
+    one_node = launch(root, "one-node", args("one-node", "--trainer.devices", "2"),
+                      commands=torchrun(1, 2, free_port()))
+    two = ("--trainer.num_nodes", "2", "--trainer.devices", "1")
+    first = args("two-nodes", *two)
+    first[first.index("--trainer.max_steps") + 1] = str(at)
+    launch(root, "two-nodes", first, commands=torchrun(2, 1, free_port()))
+    resumed = launch(root, "two-nodes", args("two-nodes", *two, "--ckpt_path", "last"),
+                     commands=torchrun(2, 1, free_port()))
+    a = weights(checkpoint(root, "one-node"))
+    b = weights(checkpoint(root, "two-nodes"))
+    return {"steps": resumed[0]["step"], "resumed_at": at,
+            "bit_for_bit": all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys(),
+            "weights_difference": largest_difference(a, b),
+            "losses_equal": global_losses(resumed) == global_losses(one_node)[at:]}
+
+
+def model_config(shape: str):
+    """The model of `shape`: "default" (the default run's, its 4,096-token vocabulary),
+    "124m" (GPT-2 124M, the book's GPT_CONFIG_124M) or "tiny"."""
+    import yaml
+
+    from gptmini.model import GPT_CONFIG_124M, GPTConfig
+
+    if shape == "124m":
+        return GPTConfig(**GPT_CONFIG_124M)
+    if shape == "tiny":
+        return GPTConfig(vocab_size=64, **TINY)
+    config = yaml.safe_load((REPO / "gptmini" / "configs" / "shakespeare-cpu.yaml").read_text())
+    fields = set(GPTConfig.__dataclass_fields__)
+    return GPTConfig(vocab_size=4096, **{k: v for k, v in config["model"].items() if k in fields})
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the parameters and optimizer states this process holds (a DTensor's
+    local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    states = [v for s in optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)]
+    return sum(size(p) for p in model.parameters()) + sum(size(v) for v in states)
+
+
+def bytes_after_a_step(shape: str, optimizer: str, mesh=None) -> int:
+    """`held_bytes` after one optimizer step of the `shape` model, sharded over `mesh`
+    (FSDP2, as --trainer.strategy fsdp2 shards) or whole."""
+    from gptmini.model import GPTModel
+    from gptmini.train.optim import make_optimizer
+    from gptmini.train.sharding import shard_model
+
+    torch.manual_seed(0)
+    cfg = model_config(shape)
+    model = GPTModel(cfg)
+    if mesh is not None:
+        shard_model(model, mesh, "32-true", compile=False)
+    opt = make_optimizer(model, optimizer, learning_rate=1e-3, muon_learning_rate=1e-3,
+                         weight_decay=0.1, betas=(0.9, 0.95), device=torch.device("cpu"))
+    batch = torch.randint(0, cfg.vocab_size, (1, 9))
+    model(batch[:, :-1], targets=batch[:, 1:]).backward()
+    opt.step()
+    return held_bytes(model, opt)
+
+
+def _memory_rank(rank: int, world: int, port: int, shape: str, optimizer: str, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    held = bytes_after_a_step(shape, optimizer, init_device_mesh("cpu", (world,)))
+    Path(out, f"rank{rank}.bytes").write_text(str(held))
+    torch.distributed.destroy_process_group()
+
+
+def memory(root: Path, shape: str, optimizer: str, world: int = 2) -> dict:
+    """Each rank's bytes of parameters and optimizer states at `world` ranks over one
+    process's (`held_bytes`, after one step)."""
+    out = root / f"memory-{shape}-{optimizer}"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.multiprocessing.spawn(_memory_rank, args=(world, free_port(), shape, optimizer,
+                                                    str(out)), nprocs=world)
+    per_rank = [int((out / f"rank{r}.bytes").read_text()) for r in range(world)]
+    whole = bytes_after_a_step(shape, optimizer)
+    return {"one_process_bytes": whole, "per_rank_bytes": per_rank,
+            "ratio": max(per_rank) / whole}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--train"]:
@@ -194,6 +343,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parity {optimizer}: {got['steps']} steps, loss of 2 FSDP2 ranks vs 1 "
                   f"process within {got['largest_loss_difference']:.2e} (goal 1e-5); final "
                   f"weights within {got['weights_difference']:.2e}", flush=True)
+    if opts.only in (None, "resume"):
+        for optimizer in ("adamw", "muon"):
+            got = resume(root / "resume", optimizer, opts.steps, opts.at, shape)
+            for case, said in (("same_world_size", "2 -> 2 ranks against the straight run"),
+                               ("two_to_one", "2 -> 1 against one process"),
+                               ("one_to_two", "1 -> 2 against one process")):
+                f = got[case]
+                print(f"resume {optimizer} at step {opts.at}, {said}: loss of {f['steps']} "
+                      f"steps within {f['largest_loss_difference']:.2e}, final weights within "
+                      f"{f['weights_difference']:.2e}", flush=True)
+    if opts.only in (None, "memory"):
+        for name in ("default", "124m"):
+            for optimizer in ("adamw", "muon"):
+                got = memory(root, name, optimizer)
+                print(f"memory {name} {optimizer}: parameters + optimizer states "
+                      f"{got['one_process_bytes'] / 2**20:,.1f} MiB in one process, "
+                      f"{max(got['per_rank_bytes']) / 2**20:,.1f} MiB per rank at 2 ranks: "
+                      f"{got['ratio']:.3f}x (goal <= 0.55x)", flush=True)
+    if opts.only in (None, "nodes"):
+        got = nodes(root / "nodes", "adamw", opts.steps, opts.at, shape)
+        print(f"nodes: torchrun --nnodes 2 on 127.0.0.1, {got['resumed_at']} steps then resumed "
+              f"to {got['steps']}, against one node of 2 processes: bit for bit "
+              f"{got['bit_for_bit']} (weights within {got['weights_difference']:.1e}), losses "
+              f"after the resume equal: {got['losses_equal']}", flush=True)
     return 0
 
 
