@@ -35,9 +35,10 @@ import torch
 from torch import Tensor
 
 from gptmini.attention import masks
+from gptmini.attention.errors import ArgumentError
 from gptmini.attention.positions import NoPositions, PositionScheme
 
-__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "layer_context",
+__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "check_window", "layer_context",
            "positions_in_documents"]
 
 
@@ -57,9 +58,7 @@ class AttentionSettings:
     """Soft-cap the scaled scores at this value (cap * tanh(score / cap)); None: no cap."""
 
     def __post_init__(self):
-        if self.window_size is not None and self.window_size < 1:
-            raise ValueError(f"window_size must be at least 1, got {self.window_size}; "
-                             "use None for full causal attention")
+        check_window(self.window_size)
 
     def __str__(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -87,6 +86,18 @@ class AttentionSettings:
         if self.softcap is not None:
             mods.append(masks.softcap(self.softcap))
         return None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
+
+
+def check_window(window: int | None) -> None:
+    """A sliding window's rule: a positive number of keys, or None for all of them.
+
+    Raises:
+        ArgumentError: naming window_size.
+    """
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window < 1):
+        raise ArgumentError("window_size", window, "use a positive integer, or None for every "
+                            "key (full causal attention)")
 
 
 class AttentionContext:

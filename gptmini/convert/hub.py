@@ -37,7 +37,7 @@ from gptmini.convert.weights import check_finite, check_float_weights
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
-__all__ = ["LAYOUTS", "export_hf", "load_hf", "model_type", "read_hf_config",
+__all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "read_hf_config",
            "read_hf_weights", "read_json_object",
            "write_tokenizer_files"]
 
@@ -46,6 +46,33 @@ LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3",
            "deepseek_v3": "DeepSeek-V3, every layer dense"}
 """The `model_type`s gptmini reads (Qwen3's is Llama's layout with QK-norm; DeepSeek-V3's
 is multi-head latent attention, gptmini.convert.deepseek)."""
+
+
+CONFIG_READERS = {"gpt2": config_from_hf, "deepseek_v3": config_from_deepseek}
+"""A layout's config reader by model_type (the others are Llama's: llama, qwen3)."""
+READERS = {"gpt2": from_hf_state_dict, "deepseek_v3": from_deepseek_state_dict}
+"""A layout's weight reader by model_type (the others are Llama's)."""
+WRITERS = {"gpt2": (config_to_hf, to_hf_state_dict),
+           "llama": (config_to_llama, to_llama_state_dict),
+           "deepseek_v3": (config_to_deepseek, to_deepseek_state_dict)}
+"""A layout's config and weight writers by the model_type `export_layout` picks."""
+
+
+def export_layout(model: GPTModel) -> str:
+    """The layout `model` exports as: the one its layers' mixers or its feed-forward name
+    (`hf_layout`: multi-head latent attention's is DeepSeek-V3's), else Llama's for a model
+    of Llama's architecture and GPT-2's for any other (whose checks name what does not fit).
+
+    Raises:
+        ValueError: its parts name two layouts.
+    """
+    named = {part.hf_layout for part in (*model.mixers, model.feed_forward)} - {None}
+    if len(named) > 1:
+        raise ValueError(f"this model's layers belong to {len(named)} Hugging Face layouts "
+                         f"({', '.join(sorted(named))}); no one layout holds it")
+    if named:
+        return named.pop()
+    return "llama" if is_llama_architecture(model.cfg) else "gpt2"
 
 
 def load_hf(directory: str | Path) -> GPTModel:
@@ -60,14 +87,10 @@ def load_hf(directory: str | Path) -> GPTModel:
     """
     directory = Path(directory)
     # The config first: a directory of another architecture is not read further.
-    cfg = directory_config(directory)
+    directory_config(directory)
     hf_config, state = read_hf_weights(directory)
     try:
-        if cfg.mla_kv_lora_rank is not None:
-            return from_deepseek_state_dict(state, hf_config)
-        if is_llama_architecture(cfg):
-            return from_llama_state_dict(state, hf_config)
-        return from_hf_state_dict(state, hf_config)
+        return READERS.get(model_type(hf_config), from_llama_state_dict)(state, hf_config)
     except ValueError as err:
         raise ValueError(f"{directory}: {err}") from None
 
@@ -83,9 +106,7 @@ def directory_config(directory: str | Path) -> GPTConfig:
     directory = Path(directory)
     hf_config = read_hf_config(directory)
     try:
-        read = {"gpt2": config_from_hf, "deepseek_v3": config_from_deepseek}.get(
-            model_type(hf_config), config_from_llama)
-        return read(hf_config)
+        return CONFIG_READERS.get(model_type(hf_config), config_from_llama)(hf_config)
     except ValueError as err:
         raise ValueError(f"{directory / 'config.json'}: {err}") from None
 
@@ -214,12 +235,9 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
             files than a model's.
         OSError: the directory could not be written (the earlier one is unchanged).
     """
-    if model.cfg.mla_kv_lora_rank is not None:
-        hf_config, state = config_to_deepseek(model.cfg), to_deepseek_state_dict(model)
-    elif is_llama_architecture(model.cfg):
-        hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
-    else:
-        hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
+    layout = export_layout(model)
+    to_config, to_state = WRITERS[layout]
+    hf_config, state = to_config(model.cfg), to_state(model)
     state = {k: v.cpu() for k, v in state.items()}
     directory = Path(directory)
     try:

@@ -333,9 +333,9 @@ def test_kv_cache_with_autograd_concatenates_so_gradients_reach_earlier_keys():
 
 
 def test_bad_input_gives_clear_errors():
-    with pytest.raises(ValueError, match="d_out must be divisible by num_heads"):
+    with pytest.raises(ValueError, match="num_heads=.* is invalid: it must divide the width"):
         MultiHeadAttention(8, 10, 16, 0.0, num_heads=3)
-    with pytest.raises(ValueError, match="num_heads must be divisible by num_kv_heads"):
+    with pytest.raises(ValueError, match="num_kv_heads=.* is invalid: use a divisor of the"):
         MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="window_size"):
         MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, window_size=0)

@@ -365,7 +365,7 @@ def test_a_module_takes_a_scheme_or_its_short_form_not_both():
     with pytest.raises(ValueError, match="rope_theta and alibi each choose how positions "
                                          "enter: pass one"):
         MultiHeadAttention(8, 8, 16, 0.0, 2, rope_theta=100.0, alibi=True)
-    with pytest.raises(ValueError, match="head_dim=3 is odd"):
+    with pytest.raises(ValueError, match="head_dim=3 is invalid: rotary positions turn"):
         MultiHeadAttention(6, 6, 16, 0.0, 2, rope_theta=100.0)
-    with pytest.raises(ValueError, match="rope_theta must be a positive base"):
+    with pytest.raises(ValueError, match="rope_theta=0.0 is invalid: use a finite base above 1"):
         RotaryPositions(head_dim=4, theta=0.0)
