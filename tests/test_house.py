@@ -135,3 +135,69 @@ def test_the_architecture_pages_import_table_is_the_codes_and_points_one_way():
     units = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     units |= {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
     assert units == set(order), f"the table lacks {sorted(units - set(order))}"
+
+
+TABLE_MODULES = {"gptmini/model/mixers.py", "gptmini/model/feedforward.py"}
+"""Where a mixer's or a feed-forward's name may be read: their tables (and the variants'
+own files, each its table entry's object)."""
+PART_NAMES = {"mla", "deltanet", "gelu", "swiglu", "relu2"}  # ("attention" is every word's)
+PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank"}
+PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet",
+                "GatedDeltaNetLayer", "DeltaNetState", "TransformerBlock", "FeedForward",
+                "SwiGLU"}
+
+
+def name_branches(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every comparison against a mixer's or feed-forward's name or the
+    fields that name them (`"deltanet" in cfg.layer_kinds`, `cfg.mlp == "swiglu"`,
+    `cfg.mla_kv_lora_rank is not None`, `cfg.layer_kind(i) == ...`, the same through
+    getattr), and every isinstance on their modules' classes."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            named = any(isinstance(p, ast.Constant) and p.value in PART_NAMES for p in parts)
+            for sub in (s for p in parts for s in ast.walk(p)):
+                named |= isinstance(sub, ast.Attribute) and sub.attr in PART_FIELDS
+                named |= (isinstance(sub, ast.Call) and (
+                    getattr(sub.func, "attr", None) == "layer_kind"
+                    or (getattr(sub.func, "id", None) == "getattr" and len(sub.args) > 1
+                        and getattr(sub.args[1], "value", None) in PART_FIELDS)))
+            if named:
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+              and len(node.args) == 2
+              and {getattr(n, "id", None) for n in ast.walk(node.args[1])} & PART_CLASSES):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_nothing_outside_the_tables_branches_on_a_mixers_or_feed_forwards_name():
+    """Each layer's token mixer and feed-forward is an object the code asks (issue 44): a
+    branch on their names or classes anywhere else (model, engine, generation, training,
+    conversion) is a new variant wired through the core by hand."""
+    branches = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        where = str(file.relative_to(REPO))
+        if where in TABLE_MODULES or where.startswith("gptmini/variants/"):
+            continue
+        branches += [f"{where}:{line}: {code}"
+                     for line, code in name_branches(ast.parse(file.read_text()))]
+    assert branches == [], "ask the layer's mixer or feed-forward object instead:\n" + \
+        "\n".join(branches)
+
+
+def test_the_branch_check_catches_what_it_forbids():
+    """Each of issue 44's sites, as they were written, is caught; asking an object is not."""
+    caught = ['if cfg.layer_kind(i) == "deltanet": pass',
+              'if "deltanet" in (model.cfg.layer_kinds or ()): pass',
+              'if getattr(model.cfg, "mla_kv_lora_rank", None) is not None: pass',
+              'if model.cfg.mla_kv_lora_rank is not None: pass',
+              'x = 3 if cfg.mlp == "swiglu" else 2',
+              'if kind == "deltanet": pass',
+              'if isinstance(block, DeltaNetBlock) or isinstance(att, MultiHeadAttention): pass']
+    for code in caught:
+        assert name_branches(ast.parse(code)), code
+    fine = ["if not mixer.pageable: pass", 'if args.command == "attention": pass',
+            "x = mixer.flops_per_token(i, seq_len)"]
+    assert [code for code in fine if name_branches(ast.parse(code))] == []
