@@ -1,10 +1,15 @@
 """The README's map of the house matches the house: its tree names every package of gptmini/
 and nothing that is not there, every docs page is linked from it, every link and path the
-pages name exists, the reading path's line count is the code's, and the architecture page's
-table of who imports whom is the code's and points one way."""
+pages name exists, the reading path's line counts are what the book's imports load, the
+architecture page's table of who imports whom is the code's and points one way, and nothing
+outside the model's tables branches on a mixer's or feed-forward's name."""
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,15 +101,45 @@ def test_every_repository_path_the_pages_name_exists():
     assert missing == []
 
 
-def test_the_reading_paths_line_count_is_the_codes():
-    text = section(REPO / "README.md", "The reading path of an afternoon")
-    stated = int(re.search(r"([\d,]+) lines", text).group(1).replace(",", ""))
-    files = [*(PACKAGE / "attention").rglob("*.py"), *(PACKAGE / "model").rglob("*.py")]
-    counted = sum(len(f.read_text().splitlines()) for f in files)
-    assert abs(stated - counted) <= 0.1 * counted, (
-        f"the README says {stated} lines, wc -l counts {counted}: measure again with the "
-        "command it names and update the figure and the commit")
-    assert "find gptmini/attention gptmini/model -name" in " ".join(text.split())
+READING_PATHS = {  # the book's two imports, as a reader types them
+    "attention": "from gptmini.attention import MultiHeadAttention",
+    "model": "from gptmini.model import GPTModel",
+}
+CEILINGS = {"attention": 1_550, "model": 2_650}
+"""The most lines each import may load. Issue 44's goals are 1,500 and 2,600; the engine's
+packed-row layout (`Ragged`, 53 lines, issue 44 item 6) still sits in attention/context.py:
+lower these to the goals when it leaves."""
+
+
+def loaded_by(statement: str) -> dict[str, int]:
+    """The gptmini modules a fresh interpreter has loaded after `statement`, and each one's
+    lines (comments and docstrings included)."""
+    code = (f"import json, sys\n{statement}\nprint(json.dumps([m.__file__ for name, m in "
+            "sys.modules.items() if name == 'gptmini' or name.startswith('gptmini.')]))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    files = json.loads(done.stdout.splitlines()[-1])
+    return {str(Path(f).relative_to(REPO)): len(Path(f).read_text().splitlines()) for f in files}
+
+
+def test_the_reading_paths_line_counts_are_what_the_imports_load():
+    """The README's figures for the book's two imports are the lines those imports load in
+    a fresh interpreter (a variant, a kernel or a position scheme off the book's path loads
+    only when a config names it), within the ceilings."""
+    text = " ".join(section(REPO / "README.md", "The reading path of an afternoon").split())
+    for unit, statement in READING_PATHS.items():
+        loaded = loaded_by(statement)
+        counted = sum(loaded.values())
+        found = re.search(rf"`{re.escape(statement)}` loads (\d+) modules(?: of gptmini)?, "
+                          r"([\d,]+) lines", text)
+        assert found, f"the README's reading path does not give the figure of `{statement}`"
+        modules, lines = int(found.group(1)), int(found.group(2).replace(",", ""))
+        assert (modules, abs(lines - counted) <= 0.02 * counted) == (len(loaded), True), (
+            f"the README says `{statement}` loads {modules} modules, {lines} lines; it loads "
+            f"{len(loaded)}, {counted} lines: write the measured figure")
+        assert counted <= CEILINGS[unit], sorted(loaded.items(), key=lambda kv: -kv[1])
+    assert "gptmini/variants" not in " ".join(loaded_by(READING_PATHS["model"]))
 
 
 def imports_of(unit: Path) -> set[str]:

@@ -28,12 +28,7 @@ from gptmini.attention.context import AttentionContext, AttentionSettings, layer
 from gptmini.attention.errors import ArgumentError
 from gptmini.attention.kernels import KERNELS, attend, backend_name, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
-from gptmini.attention.positions import (
-    AlibiPositions,
-    NoPositions,
-    PositionScheme,
-    RotaryPositions,
-)
+from gptmini.attention.positions import SCHEMES, NoPositions, PositionScheme
 
 BACKENDS = tuple(KERNELS)
 """The built-in kernels' names (gptmini.attention.kernels.KERNELS)."""
@@ -267,9 +262,9 @@ def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, al
         raise ValueError(f"{' and '.join(given)} each choose how positions enter: pass one "
                          "(rope_theta and alibi are short for a position_scheme)")
     if rope_theta is not None:
-        return RotaryPositions(head_dim=head_dim, theta=rope_theta)
+        return SCHEMES["rope"](head_dim=head_dim, theta=rope_theta)
     if alibi:
-        return AlibiPositions(num_heads=num_heads)
+        return SCHEMES["alibi"](num_heads=num_heads)
     return NoPositions() if scheme is None else scheme
 
 

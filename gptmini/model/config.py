@@ -11,13 +11,11 @@ from dataclasses import asdict, dataclass, replace
 from gptmini.attention import kernels
 from gptmini.attention.context import check_window
 from gptmini.attention.errors import ArgumentError
-from gptmini.attention.gate import GATES
 from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
-from gptmini.attention.positions.rope import check_theta
+from gptmini.model.checks import ConfigError, is_finite_number
 from gptmini.model.feedforward import MLPS, FeedForwardKind
 from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
-from gptmini.model.table import ConfigError, is_finite_number
 
 __all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
            "is_finite_number", "window_pattern"]
@@ -218,13 +216,15 @@ class GPTConfig:
              "'package.module:ClassName'")
         need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
         with self._as_field(head_dim="n_heads"):
-            check_theta(self.rope_theta)  # the rotary base's one rule, whichever scheme
-            self.position_scheme()
+            self.position_scheme()  # checks what it reads (a rotary one: rope_theta)
         if self.attn_softcap is not None:
             self._need_number("attn_softcap", lambda x: x > 0.0,
                               "use a finite positive cap such as 50, or None for no cap")
         need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
-        need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
+        if self.attn_gate != "none":  # the gate's table loads with the option that uses it
+            from gptmini.attention.gate import GATES
+
+            need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
 
     def _check_blocks(self) -> None:
         """Norm, the layers' token mixers and the feed-forward, each of which checks the

@@ -1,4 +1,4 @@
-"""Feed-forwards as a table: the position-wise network of every block, one object per kind,
+"""Feed-forwards as a table: every block's position-wise network, one object per kind,
 built once from the config (GPTConfig.mlp names it), which the model, FLOP counts and
 conversion ask instead of branching on a name.
 
@@ -7,10 +7,9 @@ conversion ask instead of branching on a name.
     swiglu   gated SiLU, Llama's: down(silu(gate(x)) * up(x))
 
 A new one is its own file (a `FeedForwardKind` and its module) and one entry in `MLPS`; one
-of your own needs no entry: name it by its import path 'package.module:ClassName' in
-GPTConfig.mlp, and give it its options in GPTConfig.mlp_options. Its module is called as
-`module(x)` -> (b, num_tokens, emb_dim), and with `aux_losses=` when its `aux_loss` is True
-(see gptmini.model.mixers.TokenMixer.aux_loss).
+of your own needs no entry: name it by import path 'package.module:ClassName' in
+GPTConfig.mlp, its options in mlp_options. Its module is called as `module(x)`, and with
+`aux_losses=` if its `aux_loss` is True (as a token mixer's: gptmini.model.mixers).
 """
 
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptmini.model.table import Table
+from gptmini.attention.table import Table
 
 __all__ = ["MLPS", "FeedForward", "FeedForwardKind", "GeluMLP", "SquaredReLU", "SquaredReluMLP",
            "SwiGLU", "SwiGLUMLP"]

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gptmini.attention import AttentionContext, AttentionSettings, BaseKVCache, Ragged
-from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import PositionScheme
 from gptmini.model.config import GPTConfig
 from gptmini.model.feedforward import FeedForwardKind
@@ -32,6 +31,8 @@ __all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy"]
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """LayerNorm (the book's) or RMSNorm, over emb_dim."""
     if cfg.norm == "rmsnorm":
+        from gptmini.attention.norm import RMSNorm  # (loaded by the config that names it)
+
         return RMSNorm(cfg.emb_dim, eps=cfg.norm_eps)  # torch's, faster on a CPU
     return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
 

@@ -1,23 +1,21 @@
 """Token mixers as a table: what a layer mixes its tokens with, one object per kind, built
-once from the config, which every part of gptmini asks instead of branching on a name.
+once from the config, which the model, the engine, generation, FLOP counts and conversion
+ask instead of branching on a name.
 
     attention   the book's MultiHeadAttention with its options (`Attention`, here)
     mla         multi-head latent attention, DeepSeek's (gptmini.variants.latent)
     deltanet    Gated DeltaNet, Qwen3-Next's linear attention (gptmini.variants.deltanet)
 
-GPTConfig.layer_kinds names each layer's (None: attention everywhere; setting
-mla_kv_lora_rank makes the attention layers MLA, as configs and checkpoints say it). A
-variant's entry is its import path, imported the first time a config names it, so the
-book's path (`from gptmini.model import GPTModel`) never loads it. A mixer of your own needs
-no entry: subclass `TokenMixer` and name it by its import path 'package.module:ClassName'
-in layer_kinds; a new built-in is its own file and one entry in `MIXERS`.
-
-A mixer's module is called by its block as
+GPTConfig.layer_kinds names each layer's (None: attention everywhere; mla_kv_lora_rank set
+makes the attention layers MLA). A variant's entry is its import path, imported when a
+config names it, so `from gptmini.model import GPTModel` never loads it. A new one is its
+own file and one entry here; one of your own needs no entry: name its `TokenMixer` by
+import path 'package.module:ClassName' in layer_kinds. Its module is called by the block as
 
     module(x, context=context, kv_cache=cache, return_weights=flag) -> out, or (out, weights)
 
-with x (b, num_tokens, emb_dim) and the pass's AttentionContext (gptmini.attention.context),
-plus `aux_losses=` for a mixer whose `aux_loss` is True (see `TokenMixer.aux_loss`).
+with x (b, num_tokens, emb_dim), the pass's AttentionContext, and `aux_losses=` if its
+`aux_loss` is True.
 """
 
 from dataclasses import dataclass
@@ -25,9 +23,10 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from gptmini.attention import KVCache, MultiHeadAttention, WindowKVCache
+from gptmini.attention import KVCache, MultiHeadAttention
 from gptmini.attention.positions import PositionScheme
-from gptmini.model.table import ConfigError, Table
+from gptmini.attention.table import Table
+from gptmini.model.checks import ConfigError
 
 __all__ = ["MIXERS", "Attention", "TokenMixer", "layer_mixer_names"]
 
@@ -49,10 +48,9 @@ class TokenMixer:
     rolls: ClassVar[bool] = True
     """Its cache may drop its oldest tokens (generation's slide='roll')."""
     aux_loss: ClassVar[bool] = False
-    """Its module takes the keyword `aux_losses`, a dict of this pass's auxiliary losses (or
-    None when nobody asked for them), and adds its own to it, weighted by its coefficient,
-    with `add_aux_loss` (gptmini.model.gpt): GPTModel.forward(..., return_parts=True)
-    returns them and adds them to the loss."""
+    """Its module takes `aux_losses=`, this pass's auxiliary losses (None: nobody asked),
+    and adds its own, weighted, with gptmini.model.add_aux_loss; forward(...,
+    return_parts=True) returns them and adds them to the loss."""
     hf_layout: ClassVar[str | None] = None
     """The Hugging Face model_type a model of it exports as (gptmini.convert), or None: the
     frame's (GPT-2's or Llama's)."""
@@ -114,7 +112,11 @@ class Attention(TokenMixer):
 
     def new_cache(self, module: MultiHeadAttention) -> KVCache:
         window = module.settings.window_size  # a windowed layer's cache holds its window only
-        return KVCache() if window is None else WindowKVCache(window)
+        if window is None:
+            return KVCache()
+        from gptmini.attention.window_cache import WindowKVCache  # (loaded with a window)
+
+        return WindowKVCache(window)
 
     def flops_per_token(self, layer: int, seq_len: int) -> float:
         """6 * N for W_query (d x d), W_key and W_value (d x kv_dim each), out_proj (d x d)

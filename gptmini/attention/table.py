@@ -1,35 +1,16 @@
-"""What the model's tables are made of: a `Table` of names to classes, as a layer's mixer
-and feed-forward are chosen (the built-ins by name, a variant's by its import path, imported
-the first time a config names it so that the book's path never loads it, and a class of
-your own by its import path 'package.module:ClassName' with no entry at all, as kernels are
-named), and `ConfigError`, which a table's object raises for a GPTConfig field it refuses.
+"""A table of names to classes, as kernels, position schemes and (in gptmini.model) a
+layer's token mixer and feed-forward are chosen: a built-in by its name, its entry a class
+or, for one off the book's path, its import path, imported the first time it is asked for
+(so `from gptmini.attention import MultiHeadAttention` never loads it); and a class of your
+own by its import path 'package.module:ClassName', with no entry at all.
 """
 
 import importlib
-import math
 import re
 from collections.abc import Iterator, Mapping
 
-__all__ = ["ConfigError", "Table", "is_finite_number", "is_import_path"]
+__all__ = ["Table", "is_import_path"]
 
-
-class ConfigError(ValueError):
-    """A GPTConfig field refused: `field`, its `value` and the `fix`, so that a command can
-    name its own flag for it (`for_flag`)."""
-
-    def __init__(self, field: str, value: object, fix: str):
-        super().__init__(f"GPTConfig.{field}={value!r} is invalid: {fix}")
-        self.field, self.value, self.fix = field, value, fix
-
-    def for_flag(self, prefix: str = "--model.") -> str:
-        """The message with the field named as the command line's flag."""
-        return f"{prefix}{self.field} {self.value!r} is invalid: {self.fix}"
-
-
-def is_finite_number(value: object) -> bool:
-    """An int or float (not a bool, not a string) that is neither NaN nor infinite."""
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -44,7 +25,7 @@ class Table(Mapping):
 
     `table[name]` is the class of a table name or of an import path of your own;
     `name in table` and iterating see the table's names only. `what` names the table's
-    kind in messages ("token mixer").
+    kind in messages ("backend", "token mixer"); nothing is imported until asked for.
     """
 
     def __init__(self, what: str, entries: Mapping[str, type | str]):
