@@ -216,7 +216,8 @@ class GPTConfig:
              "'package.module:ClassName'")
         need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
         with self._as_field(head_dim="n_heads"):
-            self.position_scheme()  # checks what it reads (a rotary one: rope_theta)
+            SCHEMES["rope"].check_theta(self.rope_theta)  # the base's one rule, any scheme
+            self.position_scheme()  # checks its own constraints
         if self.attn_softcap is not None:
             self._need_number("attn_softcap", lambda x: x > 0.0,
                               "use a finite positive cap such as 50, or None for no cap")

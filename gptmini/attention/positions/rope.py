@@ -16,7 +16,7 @@ from torch import Tensor
 from gptmini.attention.errors import ArgumentError
 from gptmini.attention.positions.base import ModelShape, PositionScheme
 
-__all__ = ["RotaryPositions", "apply_rope", "check_theta", "rope_angles"]
+__all__ = ["RotaryPositions", "apply_rope", "rope_angles"]
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,27 @@ class RotaryPositions(PositionScheme):
     theta: float = 10000.0
     """The base: frequency i of a head is theta ** (-2i / head_dim)."""
 
+    @staticmethod
+    def check_theta(theta: float) -> None:
+        """The rotary base's one rule (GPTConfig.rope_theta's too, whichever scheme a config
+        has): a finite number above 1; at 1 every frequency is 1, below it they grow with i
+        instead of falling.
+
+        Raises:
+            ArgumentError: naming rope_theta.
+        """
+        if (isinstance(theta, bool) or not isinstance(theta, int | float)
+                or not math.isfinite(theta) or theta <= 1):
+            raise ArgumentError("rope_theta", theta, "use a finite base above 1, such as 10000 "
+                                "(Llama 3: 500000)")
+
     def __post_init__(self):
         if self.head_dim % 2:
             raise ArgumentError("head_dim", self.head_dim, "rotary positions turn dimensions "
                                 f"in pairs, and a head's size of {self.head_dim} is odd: pick "
                                 "a number of heads that leaves an even head size (the width / "
                                 "the heads)")
-        check_theta(self.theta)
+        self.check_theta(self.theta)
 
     @classmethod
     def from_config(cls, cfg: ModelShape) -> "RotaryPositions":
@@ -46,19 +60,6 @@ class RotaryPositions(PositionScheme):
             ("rope", self.head_dim, self.theta, queries.dtype),
             lambda: rope_angles(context.positions, self.head_dim, self.theta, queries.dtype))
         return apply_rope(queries, cos, sin), apply_rope(keys, cos, sin)
-
-
-def check_theta(theta: float) -> None:
-    """The rotary base's one rule (GPTConfig.rope_theta's too): a finite number above 1; at
-    1 every frequency is 1, below it they grow with i instead of falling.
-
-    Raises:
-        ArgumentError: naming rope_theta.
-    """
-    if (isinstance(theta, bool) or not isinstance(theta, int | float)
-            or not math.isfinite(theta) or theta <= 1):
-        raise ArgumentError("rope_theta", theta, "use a finite base above 1, such as 10000 "
-                            "(Llama 3: 500000)")
 
 
 def rope_angles(positions: Tensor, head_dim: int, theta: float = 10000.0,
