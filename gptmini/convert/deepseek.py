@@ -27,6 +27,7 @@ from torch import Tensor
 from gptmini.convert.llama import TABLE as LLAMA_TABLE
 from gptmini.convert.llama import interleaved_to_halves, rope_base
 from gptmini.convert.weights import (
+    Layout,
     config_integer,
     config_number,
     model_from_weights,
@@ -34,7 +35,7 @@ from gptmini.convert.weights import (
 )
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["DEEPSEEK", "LATENT_NORM_EPS", "config_from_deepseek", "config_to_deepseek",
+__all__ = ["DEEPSEEK", "LATENT_NORM_EPS", "LAYOUTS", "config_from_deepseek", "config_to_deepseek",
            "from_deepseek_state_dict", "latent_dims", "to_deepseek_state_dict"]
 
 LATENT_NORM_EPS = 1e-6
@@ -244,3 +245,9 @@ def to_deepseek_state_dict(model: GPTModel) -> dict[str, Tensor]:
             .clone().contiguous()
             for name, hf_name in _expand(cfg)
             if not (name == "out_head.weight" and cfg.tie_weights)}
+
+
+LAYOUTS = {"deepseek_v3": Layout("DeepSeek-V3, every layer dense", "DeepseekV3",
+                                 config_from_deepseek, from_deepseek_state_dict,
+                                 config_to_deepseek, to_deepseek_state_dict)}
+"""The model_type this module reads and writes (gptmini.convert.weights.Layout)."""

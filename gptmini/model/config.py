@@ -181,7 +181,7 @@ class GPTConfig:
             yield
         except ArgumentError as err:
             field = fields.get(err.argument, err.argument)
-            raise ConfigError(field, getattr(self, field), err.fix) from None
+            raise ConfigError(field, getattr(self, field, err.value), err.fix) from None
 
     def _check_shape(self) -> None:
         """The sizes: counts, heads that divide the width, rates, vocabulary."""
