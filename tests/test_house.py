@@ -105,10 +105,11 @@ READING_PATHS = {  # the book's two imports, as a reader types them
     "attention": "from gptmini.attention import MultiHeadAttention",
     "model": "from gptmini.model import GPTModel",
 }
-CEILINGS = {"attention": 1_550, "model": 2_650}
-"""The most lines each import may load. Issue 44's goals are 1,500 and 2,600; the engine's
-packed-row layout (`Ragged`, 53 lines, issue 44 item 6) still sits in attention/context.py:
-lower these to the goals when it leaves."""
+CEILINGS = {"attention": 1_520, "model": 2_600}
+"""The most lines each import may load: issue 44's goals, 1,500 and 2,600; the attention
+import's stands 19 above its goal (what attention itself keeps of the engine's packed row,
+the `Ragged` protocol, and the tables' machinery that lets kernels and schemes load on use):
+lower it when they shrink."""
 
 
 def loaded_by(statement: str) -> dict[str, int]:

@@ -92,7 +92,7 @@ def clone(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("clone")
     for name in ("train.py", "generate.py", "evaluate.py", "visualize.py", "serve.py",
-                 "README.md", "docs"):
+                 "README.md", "docs", "configs"):
         (root / name).symlink_to(REPO / name)
     corpus = write_corpus(root / "corpus.txt", repeats=12)
     args = tiny_args(root, corpus, "--run_name", "shakespeare-cpu", "--trainer.max_steps", "10",

@@ -13,6 +13,7 @@
     positions/    position schemes, one object each: learned, rope, alibi, none (`SCHEMES`)
     kernels/      sdpa, explicit, flex, tiled (flash attention's algorithm), as a table
     book.py       the book's teaching variants (Listings 3.1-3.4), kept as oracles
+    table.py      names to classes (kernels, schemes), errors.py the refused argument's error
 
 Imports only torch.
 """

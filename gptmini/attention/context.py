@@ -28,6 +28,7 @@ which attention reads them one sequence per row (see `Ragged`).
 """
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -154,7 +155,7 @@ class AttentionContext:
                 places in this call (a cache that dropped its oldest tokens continues from
                 the positions it holds); None: worked out from the arguments above.
             ragged: the packed sequences' layout, for an engine step over many sequences
-                in one row (batch 1); attention then masks with `ragged.context`.
+                in one row (batch 1); attention then masks with `ragged.context_for`.
             device: where positions and masks live (default: the masks' tensors' device).
 
         Raises:
@@ -312,59 +313,29 @@ def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
     return context
 
 
-class Ragged:
-    """Sequences packed in one row, as an engine step runs them, and how attention reads them.
+class Ragged(Protocol):
+    """Sequences packed in one row, as attention reads them: what an engine step's layout
+    must offer (the engine's own is `PackedRow`, gptmini/generate/engine/packed.py).
 
-    Sequence i has `num_new[i]` new tokens in the packed row, one sequence after another,
-    after `num_cached[i]` tokens of its own in the KV cache. Linear layers see the packed row
-    (1, total_new); attention sees one row per sequence, left-padded: `unpack` lays the
-    packed queries out as (num_seqs, heads, longest_new, head_dim), the cache returns each
-    sequence's keys left-padded to the longest sequence, `context` masks the padding (and is
-    causal, windowed, modified as the model's attention is: the new tokens of every row are
-    the last of its keys), and `pack` puts the output back in packed order. `key_index` is
-    each key's place in its own sequence (negative in the padding), from which the engine
-    finds its slots and positions (`new_of`: the new tokens' in packed order). Padding costs
-    only attention's share of the work, and only in the rows shorter than the longest.
+    Linear layers see the packed row (1, total_new); attention lays the packed queries out
+    one sequence per row, left-padded to the longest (`unpack`), attends them against each
+    sequence's keys (left-padded alike by the KV cache) under a per-sequence context
+    (`context_for`: the padding masked, causal, windowed and modified as the layer's own
+    attention is), and puts the output back in packed order (`pack`). Where each sequence's
+    keys live is the engine's business, not attention's.
     """
-
-    def __init__(self, num_new: list[int], num_cached: list[int],
-                 settings: AttentionSettings | None = None, *, device=None):
-        longest_new = self.longest_new = max(num_new)
-        self.num_keys = max(n + c for n, c in zip(num_new, num_cached, strict=True))
-        starts = torch.tensor([0, *num_new], device=device).cumsum(0)[:-1]  # packed offsets
-        new = torch.tensor(num_new, device=device)
-        column = torch.arange(longest_new, device=device)  # (longest_new,)
-        first = longest_new - new  # (num_seqs,): the first real column of each row
-        real = column >= first[:, None]  # (num_seqs, longest_new)
-        # the packed index of every (row, column), padding reading token 0 (thrown away)
-        self.query_index = torch.where(real, starts[:, None] + column - first[:, None], 0)
-        self.real = real.flatten().nonzero().squeeze(1)  # packed order, row by row
-        total = new + torch.tensor(num_cached, device=device)
-        # each key's place in its own sequence, negative in the left padding
-        self.key_index = (torch.arange(self.num_keys, device=device)
-                          - (self.num_keys - total[:, None]))  # (num_seqs, num_keys)
-        self.context = AttentionContext.build(
-            len(num_new), longest_new, self.num_keys - longest_new, settings=settings,
-            attention_mask=self.key_index >= 0, uses_cache=True)
-
-    def context_for(self, settings: AttentionSettings) -> AttentionContext:
-        """The per-sequence context as a layer with `settings` (its own window) sees it."""
-        if settings == self.context.settings:
-            return self.context
-        return self.context.for_layer(settings)
-
-    def new_of(self, per_key: Tensor) -> Tensor:
-        """(num_seqs, num_keys) values per key -> (total_new,) those of the new tokens, in
-        packed order (the new tokens are the last keys of every row)."""
-        return per_key[:, self.num_keys - self.longest_new:].flatten()[self.real]
 
     def unpack(self, x: Tensor) -> Tensor:
         """(1, heads, total_new, head_dim) packed -> (num_seqs, heads, longest_new, head_dim)."""
-        return x[0][:, self.query_index].transpose(0, 1)
+        ...
 
     def pack(self, x: Tensor) -> Tensor:
         """(num_seqs, heads, longest_new, head_dim) -> (1, heads, total_new, head_dim)."""
-        return x.transpose(0, 1).flatten(1, 2)[:, self.real].unsqueeze(0)
+        ...
+
+    def context_for(self, settings: AttentionSettings) -> AttentionContext:
+        """The per-sequence context as a layer with `settings` (its own window) sees it."""
+        ...
 
 
 def _positions(batch: int, num_tokens: int, num_cached: int, attention_mask: Tensor | None,

@@ -305,11 +305,6 @@ class GPTModel(nn.Module):
             attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
             positions=positions, ragged=ragged, device=device)
 
-    def new_ragged(self, num_new: list[int], num_cached: list[int], device=None) -> Ragged:
-        """The layout of sequences packed in one row (an engine step), masked as this
-        model's attention masks (see `gptmini.attention.context.Ragged`)."""
-        return Ragged(num_new, num_cached, self.attention_settings, device=device)
-
     def new_kv_caches(self) -> list:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`, as each layer's
         mixer keeps them: a KVCache per attention layer (a windowed one's holds only its

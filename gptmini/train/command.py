@@ -8,6 +8,7 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
     wandb/                  when --wandb true
 """
 
+import argparse
 import ctypes
 import ctypes.util
 import difflib
@@ -71,15 +72,19 @@ from gptmini.train.report import RunReport
 from gptmini.train.run_lock import is_first_process, run_lock
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "shakespeare-cpu.yaml"
-"""The default run: `python train.py` trains it, and every other config applies on top."""
+"""The default run: `python train.py` trains it, and flags alone apply on top of it."""
 SUMMARY_NOTICE = "Trainer already configured with model summary callbacks"
 """What Lightning says when a run brings its own model summary, as every train.py run does."""
 HELP_DESCRIPTION = (
     "Train a GPT. With no option it trains the default run (gptmini/configs/"
     "shakespeare-cpu.yaml) into runs/shakespeare-cpu/; every option below is applied on top "
-    "of it and may also be written in a YAML file given with --config. Your own corpus: "
-    "--data.corpus.source FILE (the run is then named after it). The optimizer and its "
-    "schedule are --model.optimizer and the --model.* rates below.")
+    "of it (the defaults printed are the default run's). A YAML file given with --config is "
+    "a whole run instead: its keys apply to the classes' own defaults (the book's GPT-2 124M, "
+    "trained with AdamW), not to the default run's; to build on the default run, give its "
+    "file first (--config gptmini/configs/shakespeare-cpu.yaml --config mine.yaml). Your own "
+    "corpus: --data.corpus.source FILE (the run is then named after it). The optimizer and "
+    "its schedule are --model.optimizer and the --model.* rates below.")
+
 # How gptmini drives Lightning, whatever the run; a run's own choices are in its config.
 TRAINER_DEFAULTS = {
     "check_val_every_n_epoch": None,  # validate every val_check_interval steps, across epochs
@@ -451,6 +456,26 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
+def default_config_files(args: list[str] | None) -> list[str]:
+    """The YAML under the command line: the default run's, unless a --config is given.
+
+    A config file is a whole run, read on the classes' own defaults, so what it says is all
+    it inherits: layered on the default run, every file silently took that run's CPU choices
+    (one key/value head, the explicit kernel, Muon, compiling) and had to pin keys to undo
+    them, and changed whenever the default run did. Flags alone still change the default run.
+    """
+    args = sys.argv[1:] if args is None else args
+    # argparse's own reading of the option (-c FILE, -cFILE, --config=FILE);
+    # a malformed one is left to the real parser, which names it
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("-c", "--config", action="append")
+    try:
+        named = probe.parse_known_args([str(a) for a in args])[0].config
+    except argparse.ArgumentError:
+        named = None
+    return [] if named else [str(DEFAULT_CONFIG)]
+
+
 def build_cli(args: list[str] | None = None) -> GPTCLI:
     """Parse the command line (or `args`) and build model, data and trainer."""
     quiet_lightning()
@@ -468,7 +493,7 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
         seed_everything_default=1234,
         trainer_defaults=dict(TRAINER_DEFAULTS),
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"default_env": False, "default_config_files": [str(DEFAULT_CONFIG)],
+        parser_kwargs={"default_env": False, "default_config_files": default_config_files(args),
                        # one usage line, not argparse's 90 lines repeating every option
                        "usage": "train.py [--config FILE] [--<section>.<option> VALUE ...]",
                        "description": HELP_DESCRIPTION},

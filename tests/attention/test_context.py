@@ -11,7 +11,6 @@ from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, masks
 from gptmini.attention.context import (
     AttentionContext,
     AttentionSettings,
-    Ragged,
     positions_in_documents,
 )
 from gptmini.attention.positions import AlibiPositions
@@ -150,21 +149,3 @@ def test_a_contiguous_cache_forgets_positions_it_was_not_given():
     assert cache.positions.tolist() == [[5, 6, 7, 8]]
     cache.update(keys[:, :, :1], keys[:, :, :1])  # no positions: none are known any more
     assert cache.positions is None and len(cache) == 5
-
-
-def test_ragged_lays_packed_tokens_out_one_sequence_per_row_and_back():
-    """Three sequences with 2, 1 and 3 new tokens after 4, 6 and 0 cached ones: each row
-    holds its own tokens, left-padded, its new tokens the last of its keys."""
-    ragged = Ragged([2, 1, 3], [4, 6, 0])
-    packed = torch.arange(6.0).view(1, 1, 6, 1)  # token i carries the value i
-    rows = ragged.unpack(packed)  # (3, 1, 3, 1)
-    assert rows.shape == (3, 1, 3, 1)
-    assert rows[0, 0, 1:, 0].tolist() == [0, 1] and rows[1, 0, 2:, 0].tolist() == [2]
-    assert rows[2, 0, :, 0].tolist() == [3, 4, 5]
-    assert torch.equal(ragged.pack(rows), packed)
-    assert ragged.num_keys == 7 and ragged.context.num_tokens == 3
-    allowed = ragged.context.dense()[:, 0]  # (3, 3 queries, 7 keys)
-    # row 0: keys 1..6 are its 6 tokens; its last query (token 5) sees all of them
-    assert allowed[0, 2].tolist() == [False] + [True] * 6
-    assert allowed[0, 1].tolist() == [False] + [True] * 5 + [False]  # token 4: causal
-    assert allowed[2, 0].tolist() == [False] * 4 + [True, False, False]  # its first token

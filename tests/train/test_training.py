@@ -225,7 +225,7 @@ def print_config(capsys, *args: str) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
-def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys, tmp_path):
+def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys):
     import yaml
 
     assert DEFAULT_CONFIG.parent.parent == Path(gptmini.__file__).parent  # package data
@@ -245,10 +245,9 @@ def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys
     book = GPTConfig()
     for field in ("qkv_bias", "window_size", "padded_vocab_size"):
         assert field not in written["model"] and default["model"][field] == getattr(book, field)
-    # A config of one's own applies on top of the default run.
-    mine = tmp_path / "mine.yaml"
-    mine.write_text("model:\n  n_layers: 2\n")
-    on_top = print_config(capsys, "--config", str(mine))
+    # Flags apply on top of the default run (a --config file is a whole run of its own:
+    # tests/train/test_configs.py).
+    on_top = print_config(capsys, "--model.n_layers", "2")
     assert on_top["model"] == {**default["model"], "n_layers": 2}
 
 
@@ -591,9 +590,9 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     from gptmini.checkpoint import load_checkpoint
     from gptmini.generate.loop import generate
 
-    args = tiny_args(tmp_path, corpus, "--config", str(REPO / "configs" / "modern-cpu.yaml"),
-                     "--run_name", "modern", "--trainer.max_steps", "12",
-                     "--model.attention_backend", "tiled", "--model.attn_softcap", "20")
+    args = ["--config", str(REPO / "configs" / "modern-cpu.yaml"),  # the tiny run's flags on it
+            *tiny_args(tmp_path, corpus, "--run_name", "modern", "--trainer.max_steps", "12",
+                       "--model.attention_backend", "tiled", "--model.attn_softcap", "20")]
     assert main(args) == 0
     model, tokenizer, _ = load_checkpoint(tmp_path / "runs" / "modern" / "checkpoints" /
                                           "last.ckpt")

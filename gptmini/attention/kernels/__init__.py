@@ -8,7 +8,8 @@ then called as
 with queries (b, num_heads, num_tokens, head_dim), keys and values
 (b, num_kv_heads, num_keys, head_dim) (grouped-query attention: fewer key/value heads) and
 the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it applies in
-whichever form it wants (`dense()`, `block_mask()`, `tile_plan(tile)`). A kernel with no
+whichever form it wants (`dense()`, or its own made once per pass with `context.once`, as
+flex's BlockMask and the tiled kernel's plan are). A kernel with no
 attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
 A kernel that adds attention sinks (gptmini.attention.sinks) says so with
 `has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
