@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch import Callback
 
 from gptmini.checkpoint import read_checkpoint
+from gptmini.checkpoint.sharded import consolidate
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -182,8 +183,10 @@ FSDP2_ON = ("--trainer.strategy", "fsdp2", "--trainer.devices")
 
 def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: int = 4) -> dict:
     """A checkpoint of step `at` resumed to `steps`: on two ranks from two (against the two
-    ranks' straight run), on one FSDP2 rank from two (2 -> 1) and on two from the one
-    process's file (1 -> 2), each against the one process's straight run."""
+    ranks' straight run), on one FSDP2 rank from two (2 -> 1), on two from the one
+    process's file (1 -> 2), and unsharded from the two ranks' checkpoint consolidated into
+    one file, each against the one process's straight run; and the two straight runs'
+    `parity`."""
     def run(name: str, *extra: str, per_rank: int = batch, copy: bool = False) -> list[dict]:
         args = run_args(root, name, steps=steps, batch=per_rank, shape=shape,
                         optimizer=optimizer, extra=extra)
@@ -197,6 +200,8 @@ def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: 
     to_one = run(f"2to1-{optimizer}", *FSDP2_ON, "1", "--ckpt_path", str(sharded),
                  per_rank=2 * batch)
     to_two = run(f"1to2-{optimizer}", *FSDP2_ON, "2", "--ckpt_path", str(single))
+    whole = consolidate(sharded, root / f"step{at}-{optimizer}-consolidated.ckpt")
+    unsharded = run(f"whole-{optimizer}", "--ckpt_path", str(whole), per_rank=2 * batch)
     straight, two_straight = global_losses(one)[at:], global_losses(two)[at:]
 
     def against(records: list[dict], losses: list[float], name: str, reference: str) -> dict:
@@ -207,11 +212,16 @@ def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: 
                 "weights_difference": largest_difference(weights(checkpoint(root, name)),
                                                          weights(checkpoint(root, reference)))}
 
-    return {"same_world_size": against(again, two_straight, f"2to2-{optimizer}",
+    return {"parity": {"largest_loss_difference": max(
+                abs(x - y) for x, y in zip(global_losses(one), global_losses(two), strict=True)),
+                       "one_process": one, "two_ranks": two},
+            "same_world_size": against(again, two_straight, f"2to2-{optimizer}",
                                        f"fsdp2-{optimizer}"),
+            "consolidated_to_one": against(unsharded, straight, f"whole-{optimizer}",
+                                           f"one-{optimizer}"),
             "two_to_one": against(to_one, straight, f"2to1-{optimizer}", f"one-{optimizer}"),
             "one_to_two": against(to_two, straight, f"1to2-{optimizer}", f"one-{optimizer}"),
-            "sharded": sharded, "single": single}
+            "sharded": sharded, "single": single, "consolidated": whole}
 
 
 def torchrun(nodes: int, per_node: int, port: int) -> list[list[str]]:
@@ -348,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             got = resume(root / "resume", optimizer, opts.steps, opts.at, shape)
             for case, said in (("same_world_size", "2 -> 2 ranks against the straight run"),
                                ("two_to_one", "2 -> 1 against one process"),
-                               ("one_to_two", "1 -> 2 against one process")):
+                               ("one_to_two", "1 -> 2 against one process"),
+                               ("consolidated_to_one", "2 -> consolidated file -> one "
+                                                       "unsharded process against one "
+                                                       "process")):
                 f = got[case]
                 print(f"resume {optimizer} at step {opts.at}, {said}: loss of {f['steps']} "
                       f"steps within {f['largest_loss_difference']:.2e}, final weights within "

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["SHARDED_METADATA", "is_sharded", "read_sharded", "read_sharded_metadata",
-           "states_by_position"]
+__all__ = ["SHARDED_METADATA", "consolidate", "consolidated_path", "is_sharded", "read_sharded",
+           "read_sharded_metadata", "states_by_position"]
 
 SHARDED_METADATA = "meta.pt"
 """The file of a sharded checkpoint's directory that holds all but weights and optimizer
@@ -115,3 +115,25 @@ def states_by_position(optimizer: dict) -> dict:
                                            for n in names]})
     state = {position[name]: value for name, value in optimizer.get("state", {}).items()}
     return {"state": state, "param_groups": groups}
+
+
+def consolidated_path(path: str | Path) -> Path:
+    """Where `consolidate` writes by default: beside the directory, `last.ckpt/` ->
+    `last-consolidated.ckpt`."""
+    path = Path(path)
+    return path.with_name(f"{path.name.removesuffix('.ckpt')}-consolidated.ckpt")
+
+
+def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
+    """Write the sharded checkpoint `path` as one file (`read_sharded`), atomically: what
+    generate.py, serve.py, evaluate.py, the Hugging Face export and an unsharded resume read.
+
+    Raises:
+        ValueError: `path` is not a sharded checkpoint, or its parts are unreadable.
+    """
+    from gptmini.checkpoint.atomic import atomic_save  # Lightning's writer lives beside it
+
+    if not is_sharded(path):
+        raise ValueError(f"{path} is not a sharded checkpoint (a directory with .metadata, "
+                         "as --trainer.strategy fsdp2 saves): nothing to consolidate")
+    return atomic_save(read_sharded(path), consolidated_path(path) if out is None else out)
