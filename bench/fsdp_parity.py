@@ -68,7 +68,9 @@ class Recorder(Callback):
 
     def on_train_end(self, trainer, pl_module):
         record = {"losses": self.losses, "windows": self.windows, "epochs": self.epochs,
-                  "step": trainer.global_step, "world_size": trainer.world_size}
+                  "step": trainer.global_step, "world_size": trainer.world_size,
+                  "environment": type(getattr(trainer.strategy, "cluster_environment",
+                                              None)).__name__}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -117,19 +119,22 @@ def run_args(root: Path, name: str, *, steps: int, batch: int, shape: dict,
 
 
 def launch(root: Path, name: str, args: list[str], *, copy_at: int | None = None,
-           commands: list[list[str]] | None = None, env: dict | None = None) -> list[dict]:
+           commands: list[list[str]] | None = None, each_env: list[dict] | None = None
+           ) -> list[dict]:
     """Run train.py's `args` as `name`; each rank's record. `commands`: how to start it,
-    all at once (torchrun on each node); by default one process, which Lightning starts
-    again for each further rank."""
+    all at once (torchrun on each node), `each_env` their own variables; by default one
+    process, which Lightning starts again for each further rank."""
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO),
-           "PARITY_COPY_AT": "" if copy_at is None else str(copy_at), **(env or {})}
+           "PARITY_COPY_AT": "" if copy_at is None else str(copy_at)}
     starts = commands or [[sys.executable, str(HERE)]]
-    procs = [subprocess.Popen([*start, "--train", str(out), "--", *args], env=env, cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for start in starts]  # at once: the nodes of one job
+    envs = each_env or [{}] * len(starts)
+    procs = [subprocess.Popen([*start, "--train", str(out), "--", *args], env={**env, **own},
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for start, own in zip(starts, envs, strict=True)]  # at once: one job's nodes
     try:
         done = [(proc.communicate(timeout=900), proc.returncode) for proc in procs]
     finally:
@@ -233,8 +238,9 @@ def torchrun(nodes: int, per_node: int, port: int) -> list[list[str]]:
 
 def nodes(root: Path, optimizer: str, steps: int, at: int, shape: dict,
           batch: int = 4) -> dict:
-    """torchrun --nnodes 2 (one process each), stopped at step `at` and resumed, against
-    torchrun with one node of two processes straight to `steps`."""
+    """torchrun --nnodes 2 (one process each), stopped at step `at` and resumed, and the
+    same 2-node job started as SLURM's srun starts it (its variables faked), against torchrun
+    with one node of two processes straight to `steps`; and that against one process."""
     def args(name: str, *extra: str) -> list[str]:
         return run_args(root, name, steps=steps, batch=batch, shape=shape,
                         optimizer=optimizer, extra=("--trainer.strategy", "fsdp2", *extra))
@@ -247,12 +253,32 @@ def nodes(root: Path, optimizer: str, steps: int, at: int, shape: dict,
     launch(root, "two-nodes", first, commands=torchrun(2, 1, free_port()))
     resumed = launch(root, "two-nodes", args("two-nodes", *two, "--ckpt_path", "last"),
                      commands=torchrun(2, 1, free_port()))
+    slurm = launch(root, "slurm", args("slurm", *two), commands=[
+        [sys.executable, str(HERE)]] * 2, each_env=slurm_variables(2, free_port()))
+    one = launch(root, "one-process", run_args(root, "one-process", steps=steps,
+                                               batch=2 * batch, shape=shape,
+                                               optimizer=optimizer))
     a = weights(checkpoint(root, "one-node"))
     b = weights(checkpoint(root, "two-nodes"))
+    straight = global_losses(one_node)
     return {"steps": resumed[0]["step"], "resumed_at": at,
             "bit_for_bit": all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys(),
             "weights_difference": largest_difference(a, b),
-            "losses_equal": global_losses(resumed) == global_losses(one_node)[at:]}
+            "losses_equal": global_losses(resumed) == straight[at:],
+            "slurm_losses_equal": global_losses(slurm) == straight,
+            "environments": {"slurm": [r["environment"] for r in slurm],
+                             "torchrun": [r["environment"] for r in resumed]},
+            "one_process_loss_difference": max(
+                abs(x - y) for x, y in zip(global_losses(one), straight, strict=True))}
+
+
+def slurm_variables(nodes: int, port: int) -> list[dict]:
+    """What srun sets for one task on each of `nodes` nodes (the variables Lightning's
+    SLURMEnvironment reads), on 127.0.0.1."""
+    return [{"SLURM_NTASKS": str(nodes), "SLURM_NNODES": str(nodes), "SLURM_PROCID": str(r),
+             "SLURM_LOCALID": "0", "SLURM_NODEID": str(r), "SLURM_JOB_ID": "4747",
+             "SLURM_JOB_NAME": "gptmini", "SLURM_NODELIST": "127.0.0.1",
+             "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": str(port)} for r in range(nodes)]
 
 
 def model_config(shape: str):
@@ -379,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nodes: torchrun --nnodes 2 on 127.0.0.1, {got['resumed_at']} steps then resumed "
               f"to {got['steps']}, against one node of 2 processes: bit for bit "
               f"{got['bit_for_bit']} (weights within {got['weights_difference']:.1e}), losses "
-              f"after the resume equal: {got['losses_equal']}", flush=True)
+              f"after the resume equal: {got['losses_equal']}; SLURM's variables (2 nodes) "
+              f"losses equal: {got['slurm_losses_equal']}; one node against one process "
+              f"(adamw): loss within {got['one_process_loss_difference']:.2e}", flush=True)
     return 0
 
 
