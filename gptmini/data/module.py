@@ -9,11 +9,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gptmini.data.chat import Chat, auto_template, chat_datasets, load_template, read_records
+from gptmini.chat import ChatTemplate, choose_template, is_alpaca, read_records
+from gptmini.data.chat import Chat, chat_datasets
 from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
 from gptmini.data.windows import ResumableSampler
-from gptmini.finetune.chat import ChatTemplate
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -108,10 +108,8 @@ class GPTDataModule(L.LightningDataModule):
     def setup_chat(self) -> None:
         """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
         enc = get_tokenizer(self.corpus.tokenizer)
-        if self.chat.template == "auto":
-            self.chat_template = auto_template(read_records(self.chat.records))
-        else:
-            self.chat_template = load_template(self.chat.template, enc)
+        alpaca = self.chat.template == "auto" and is_alpaca(read_records(self.chat.records))
+        self.chat_template = choose_template(self.chat.template, enc, alpaca=alpaca)
         self.train_dataset, self.val_dataset, said = chat_datasets(
             self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)
         if self.trainer is None or self.trainer.is_global_zero:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from gptmini.chat import template_for
 from gptmini.checkpoint import load_on_device
-from gptmini.finetune.chat import template_for
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.engine import Engine

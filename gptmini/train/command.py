@@ -29,6 +29,13 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from gptmini.chat import (
+    add_template_tokens,
+    directory_template,
+    is_alpaca,
+    load_template,
+    read_records,
+)
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
     MODEL_PREFIX,
@@ -41,10 +48,8 @@ from gptmini.checkpoint import (
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.convert import check_finite
 from gptmini.data import Corpus, GPTDataModule
-from gptmini.data.chat import is_alpaca, load_template, read_records
 from gptmini.data.labels import Labels
 from gptmini.data.vocab import parse_bpe
-from gptmini.finetune.chat import add_template_tokens, directory_template
 from gptmini.model import is_finite_number
 from gptmini.runtime import AUTO, auto_precision
 from gptmini.tokenizer import (

@@ -19,8 +19,8 @@ from gptmini.finetune import (
     base_fingerprint,
     class_logits,
     count_parameters,
+    grow_vocab,
 )
-from gptmini.finetune.chat import grow_vocab
 from gptmini.model import ConfigError, GPTConfig, GPTModel, is_finite_number
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of
