@@ -4,6 +4,12 @@ The module owns what every run shares (the optimizer, its schedule, non-finite s
 throughput, checkpoints, exact resume); a `Task` owns what differs: how the model is shaped
 for it, the loss of a batch, the metrics, and what a batch holds. The module logs what the
 task returns under `train/<name>` and `val/<name>`.
+
+Preference pairs (DPO) fit the same way: a batch holds the chosen and the rejected rows
+with their response-only targets (-100 elsewhere, as chat fine-tuning renders them); `loss`
+sums each response's log-probabilities under the model and under the frozen reference (the
+starting weights: the same model with LoRA's adapters off, else a copy taken when training
+starts) and returns the DPO loss with its rewards, margin and accuracy as metrics.
 """
 
 from abc import ABC, abstractmethod
