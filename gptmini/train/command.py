@@ -198,8 +198,8 @@ class GPTCLI(LightningCLI):
         say(f"run name: {name} (after the corpus; --run_name names it otherwise)")
 
     def _given(self, section: str) -> set[str]:
-        """The `section` settings this invocation gives: by a flag, or (in a --config) to a
-        value other than the default run's."""
+        """The `section` settings this invocation gives: by a flag, or to a value other
+        than the defaults beneath it (the default run's; the classes' under a --config)."""
         flags = {a.split("=", 1)[0][len(section) + 3:] for a in self._command_line
                  if a.startswith(f"--{section}.")}
         defaults = self.parser.get_defaults()[section].as_dict()
