@@ -89,6 +89,8 @@ class Proof:
     deadline: float
     """time.monotonic() at which the part's budget ends."""
     run_steps: int
+    micro_batch: int = 16
+    """The training item's micro-batch (124M at context 1024)."""
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -187,10 +189,10 @@ def fsdp(proof: Proof) -> dict:
 
 def training(proof: Proof) -> dict:
     """124M at context 1024 through the LightningModule and a plain loop, at micro-batch 16
-    (the largest that fits is part 2's)."""
+    (--micro_batch; the largest that fits is part 2's)."""
     figures = training_figures(proof.shape, proof.device,
-                               **(dict(batch=4, steps=3, warmup=1) if proof.tiny else {}),
-                               tries=())
+                               **(dict(batch=4, steps=3, warmup=1) if proof.tiny
+                                  else dict(batch=proof.micro_batch)), tries=())
     lit, plain = figures["lightning_mfu"], figures["plain_mfu"]
     mfu = (f"MFU {lit:.1%} Lightning, {plain:.1%} plain (goal >= 45% Lightning; llm.c "
            f"~{LLMC_TOKENS_PER_S * flops_per_token(GPTConfig(**GPT2)) / H100_BF16_PEAK:.0%})"
@@ -407,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run_steps", type=int, default=None,
                         help="the default run's steps (default: the GPU config's, 5000; 4 "
                              "with --tiny)")
+    parser.add_argument("--micro_batch", type=int, default=16,
+                        help="part 1's training micro-batch (124M at context 1024; 16 took "
+                             "8.5 GiB on an H200; llm.c trains at 64)")
     parser.add_argument("--merge", type=Path, nargs="+", help="gpu_proof.json files to merge")
     args = parser.parse_args(argv)
     if args.merge:
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = args.run_steps or (4 if args.tiny else
                                yaml.safe_load(GPU_CONFIG.read_text())["trainer"]["max_steps"])
-    proof = Proof(device, args.tiny, args.out, args.runs, time.monotonic() + args.budget, steps)
+    proof = Proof(device, args.tiny, args.out, args.runs, time.monotonic() + args.budget, steps,
+                  args.micro_batch)
     figures = run_parts(proof, sorted(set(args.part)))
     bad = [k for k, v in figures["items"].items() if v["status"] in ("failed", "error")]
     print(f"\nfigures: {args.out / 'gpu_proof.md'}" + (f"; not ok: {bad}" if bad else ""))
