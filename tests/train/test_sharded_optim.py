@@ -5,12 +5,13 @@ import math
 
 import pytest
 import torch
-from helpers import make_model, run_ranks
+from helpers import HostReads, make_model, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from gptmini.train.optim import muon_adamw, orthogonalize, sharded_orthogonalize
+from gptmini.train.steps import clip_gradients
 
 RATES = dict(learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1, betas=(0.9, 0.95))
 CPU = torch.device("cpu")
@@ -58,16 +59,22 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, 64, (4, 9), generator=generator) for _ in range(4)]
 
 
-def train(model, optimizer) -> None:
-    """Four steps, the third's gradients NaN and skipped on the device (found_inf)."""
+def train(model, optimizer) -> list[str]:
+    """Four steps, the third's gradients NaN and skipped on the device (found_inf), each
+    clipped, the skip decided and stepped as a run does; the host's reads of tensor values
+    in those (HostReads: on a GPU, each would wait for it)."""
+    reads = HostReads()
     for step, batch in enumerate(batches()):
         model(batch[:, :-1], targets=batch[:, 1:]).backward()
         if step == 2:
             for p in model.parameters():
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(math.nan)
-        optimizer.found_inf = torch.tensor(float(step == 2))
-        optimizer.step()
+        with reads:
+            norm = clip_gradients(list(model.parameters()), 1e9, "norm")
+            optimizer.found_inf = torch.where(torch.isfinite(norm), 0.0, 1.0)
+            optimizer.step()
         optimizer.zero_grad()
+    return reads.seen
 
 
 def sharded_training(mesh) -> dict[str, torch.Tensor]:
@@ -78,7 +85,7 @@ def sharded_training(mesh) -> dict[str, torch.Tensor]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = muon_adamw(model, **RATES, device=CPU)
-    train(model, optimizer)
+    assert train(model, optimizer) == [], "a sharded step read a value off the device"
     states = optimizer.state_dict()["state"]
     assert all(isinstance(v, DTensor) for s in states.values() for k, v in s.items()
                if k != "step"), "the states are DTensors, sharded as the parameters"
