@@ -167,7 +167,8 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def parity(root: Path, optimizer: str, steps: int, shape: dict, batch: int = 4) -> dict:
-    """Two FSDP2 ranks at `batch` against one process at 2 x `batch`."""
+    """Two FSDP2 ranks at `batch` against one process at 2 x `batch`, and the floor of
+    such a difference: one process against itself, its steps in two micro-batches."""
     one = launch(root, f"one-{optimizer}", run_args(root, f"one-{optimizer}", steps=steps,
                                                     batch=2 * batch, shape=shape,
                                                     optimizer=optimizer))
@@ -176,7 +177,15 @@ def parity(root: Path, optimizer: str, steps: int, shape: dict, batch: int = 4) 
         extra=("--trainer.strategy", "fsdp2", "--trainer.devices", "2")))
     a, b = global_losses(one), global_losses(two)
     largest = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    # The floor: one process against itself, the same windows a step in two micro-batches
+    # (the gradient summed in another order, as two ranks sum it). Lightning records each
+    # micro-batch's loss divided by the accumulation: a step's loss is the two added.
+    halves = launch(root, f"accumulated-{optimizer}", run_args(
+        root, f"accumulated-{optimizer}", steps=steps, batch=batch, shape=shape,
+        optimizer=optimizer, extra=("--trainer.accumulate_grad_batches", "2")))[0]["losses"]
+    accumulated = [x + y for x, y in zip(halves[::2], halves[1::2], strict=True)]
     return {"steps": len(a), "largest_loss_difference": largest,
+            "floor": max(abs(x - y) for x, y in zip(accumulated, a, strict=True)),
             "one_process_losses": a, "two_rank_losses": b, "two_rank_records": two,
             "weights_difference": largest_difference(
                 weights(checkpoint(root, f"one-{optimizer}")),
@@ -378,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             got = parity(root, optimizer, opts.steps, shape)
             print(f"parity {optimizer}: {got['steps']} steps, loss of 2 FSDP2 ranks vs 1 "
                   f"process within {got['largest_loss_difference']:.2e} (goal 1e-5); final "
-                  f"weights within {got['weights_difference']:.2e}", flush=True)
+                  f"weights within {got['weights_difference']:.2e}; the floor (one process "
+                  f"against itself with 2 micro-batches a step) {got['floor']:.2e}", flush=True)
     if opts.only in (None, "resume"):
         for optimizer in ("adamw", "muon"):
             got = resume(root / "resume", optimizer, opts.steps, opts.at, shape)
