@@ -234,6 +234,9 @@ def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: 
             "consolidated_to_one": against(unsharded, straight, f"whole-{optimizer}",
                                            f"one-{optimizer}"),
             "two_to_one": against(to_one, straight, f"2to1-{optimizer}", f"one-{optimizer}"),
+            # from the same state: the two ranks' own continuation
+            "two_to_one_vs_two": against(to_one, two_straight, f"2to1-{optimizer}",
+                                         f"fsdp2-{optimizer}"),
             "one_to_two": against(to_two, straight, f"1to2-{optimizer}", f"one-{optimizer}"),
             "sharded": sharded, "single": single, "consolidated": whole}
 
@@ -394,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             got = resume(root / "resume", optimizer, opts.steps, opts.at, shape)
             for case, said in (("same_world_size", "2 -> 2 ranks against the straight run"),
                                ("two_to_one", "2 -> 1 against one process"),
+                               ("two_to_one_vs_two", "2 -> 1 against the 2 ranks' own "
+                                                     "continuation"),
                                ("one_to_two", "1 -> 2 against one process"),
                                ("consolidated_to_one", "2 -> consolidated file -> one "
                                                        "unsharded process against one "
