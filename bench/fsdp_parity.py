@@ -196,11 +196,11 @@ FSDP2_ON = ("--trainer.strategy", "fsdp2", "--trainer.devices")
 
 
 def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: int = 4) -> dict:
-    """A checkpoint of step `at` resumed to `steps`: on two ranks from two (against the two
-    ranks' straight run), on one FSDP2 rank from two (2 -> 1), on two from the one
+    """A checkpoint of step `at` resumed to `steps`, each against the straight run of the
+    checkpoint's own run (the same state at `at`): on two ranks from two (bit for bit), on
+    one FSDP2 rank from two (2 -> 1; also against the one process), on two from the one
     process's file (1 -> 2), and unsharded from the two ranks' checkpoint consolidated into
-    one file, each against the one process's straight run; and the two straight runs'
-    `parity`."""
+    one file; and the two straight runs' `parity`."""
     def run(name: str, *extra: str, per_rank: int = batch, copy: bool = False) -> list[dict]:
         args = run_args(root, name, steps=steps, batch=per_rank, shape=shape,
                         optimizer=optimizer, extra=extra)
@@ -231,12 +231,13 @@ def resume(root: Path, optimizer: str, steps: int, at: int, shape: dict, batch: 
                        "one_process": one, "two_ranks": two},
             "same_world_size": against(again, two_straight, f"2to2-{optimizer}",
                                        f"fsdp2-{optimizer}"),
-            "consolidated_to_one": against(unsharded, straight, f"whole-{optimizer}",
-                                           f"one-{optimizer}"),
-            "two_to_one": against(to_one, straight, f"2to1-{optimizer}", f"one-{optimizer}"),
-            # from the same state: the two ranks' own continuation
-            "two_to_one_vs_two": against(to_one, two_straight, f"2to1-{optimizer}",
-                                         f"fsdp2-{optimizer}"),
+            # each against the straight run of the checkpoint's own run (the same state)
+            "consolidated_to_one": against(unsharded, two_straight, f"whole-{optimizer}",
+                                           f"fsdp2-{optimizer}"),
+            "two_to_one": against(to_one, two_straight, f"2to1-{optimizer}",
+                                  f"fsdp2-{optimizer}"),
+            "two_to_one_vs_one_process": against(to_one, straight, f"2to1-{optimizer}",
+                                                 f"one-{optimizer}"),
             "one_to_two": against(to_two, straight, f"1to2-{optimizer}", f"one-{optimizer}"),
             "sharded": sharded, "single": single, "consolidated": whole}
 
@@ -396,13 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         for optimizer in ("adamw", "muon"):
             got = resume(root / "resume", optimizer, opts.steps, opts.at, shape)
             for case, said in (("same_world_size", "2 -> 2 ranks against the straight run"),
-                               ("two_to_one", "2 -> 1 against one process"),
-                               ("two_to_one_vs_two", "2 -> 1 against the 2 ranks' own "
-                                                     "continuation"),
-                               ("one_to_two", "1 -> 2 against one process"),
+                               ("two_to_one", "2 -> 1 against the 2 ranks' straight run"),
+                               ("two_to_one_vs_one_process", "2 -> 1 against one process's "
+                                                             "straight run"),
+                               ("one_to_two", "1 -> 2 against one process's straight run"),
                                ("consolidated_to_one", "2 -> consolidated file -> one "
-                                                       "unsharded process against one "
-                                                       "process")):
+                                                       "unsharded process against the 2 "
+                                                       "ranks' straight run")):
                 f = got[case]
                 print(f"resume {optimizer} at step {opts.at}, {said}: loss of {f['steps']} "
                       f"steps within {f['largest_loss_difference']:.2e}, final weights within "
