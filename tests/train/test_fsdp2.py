@@ -1,8 +1,8 @@
 """--trainer.strategy fsdp2 through train.py on two CPU processes (gloo), with Muon: the same
 losses as one process at the same global batch, the same windows (none twice), and sharded
-checkpoints that resume bit for bit on two ranks and continue the unsharded run on one rank,
-from one process's file, and from a consolidated file (bench/fsdp_parity.py runs them; its
-__main__ gives the 20-step figures)."""
+checkpoints that resume bit for bit on two ranks, and continue the run they were saved by
+on one rank (2 -> 1) and unsharded from the consolidated file, as one process's file does on
+two ranks (1 -> 2) (bench/fsdp_parity.py runs them; its __main__ gives 20-step figures)."""
 
 import sys
 from collections import Counter
@@ -53,7 +53,7 @@ def test_a_sharded_checkpoint_resumes_bit_for_bit_on_the_same_ranks(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["two_to_one", "one_to_two", "consolidated_to_one"])
-def test_a_resume_on_another_world_size_continues_the_unsharded_run(runs, case):
+def test_a_resume_on_another_world_size_continues_the_run_it_came_from(runs, case):
     assert runs[case]["steps"] == 2
     assert runs[case]["largest_loss_difference"] <= TOLERANCE
 
