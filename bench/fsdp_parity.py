@@ -47,8 +47,8 @@ class Recorder(Callback):
     """Each rank's loss at every step and the windows it trained on (their first ids), and
     a copy of last.ckpt as it was at step `copy_at`, written to `out` when training ends."""
 
-    def __init__(self, out: Path, copy_at: int | None):
-        self.out, self.copy_at = out, copy_at
+    def __init__(self, out: Path, copy_at: int | None, stop_at: int | None = None):
+        self.out, self.copy_at, self.stop_at = out, copy_at, stop_at
         self.losses: list[float] = []
         self.windows: list[list[int]] = []
         self.epochs: list[int] = []
@@ -65,6 +65,8 @@ class Recorder(Callback):
         self.losses.append(float(outputs["loss"]))
         self.windows += [row[:6].tolist() for row in batch[0]]
         self.epochs += [trainer.current_epoch] * len(batch[0])
+        if trainer.global_step == self.stop_at:  # as an interrupted run stops: last.ckpt
+            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module):
         record = {"losses": self.losses, "windows": self.windows, "epochs": self.epochs,
@@ -78,9 +80,10 @@ def train_process(out: str, args: list[str]) -> int:
     """One training process: train.py's `args`, recorded into `out` (see Recorder)."""
     from gptmini.train.command import build_cli, fit
 
-    copy_at = os.environ.get("PARITY_COPY_AT")
+    copy_at, stop_at = (os.environ.get(f"PARITY_{name}_AT") for name in ("COPY", "STOP"))
     cli = build_cli(args)
-    cli.trainer.callbacks.append(Recorder(Path(out), int(copy_at) if copy_at else None))
+    cli.trainer.callbacks.append(Recorder(Path(out), int(copy_at) if copy_at else None,
+                                          int(stop_at) if stop_at else None))
     fit(cli)
     return 0
 
@@ -119,16 +122,18 @@ def run_args(root: Path, name: str, *, steps: int, batch: int, shape: dict,
 
 
 def launch(root: Path, name: str, args: list[str], *, copy_at: int | None = None,
-           commands: list[list[str]] | None = None, each_env: list[dict] | None = None
-           ) -> list[dict]:
-    """Run train.py's `args` as `name`; each rank's record. `commands`: how to start it,
-    all at once (torchrun on each node), `each_env` their own variables; by default one
-    process, which Lightning starts again for each further rank."""
+           stop_at: int | None = None, commands: list[list[str]] | None = None,
+           each_env: list[dict] | None = None) -> list[dict]:
+    """Run train.py's `args` as `name`; each rank's record. `copy_at`: keep last.ckpt of
+    that step; `stop_at`: stop there, as an interrupted run (the schedule is the whole
+    run's). `commands`: how to start it, all at once (torchrun on each node), `each_env`
+    their own variables; by default one process, which Lightning starts again per rank."""
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO),
-           "PARITY_COPY_AT": "" if copy_at is None else str(copy_at)}
+           "PARITY_COPY_AT": "" if copy_at is None else str(copy_at),
+           "PARITY_STOP_AT": "" if stop_at is None else str(stop_at)}
     starts = commands or [[sys.executable, str(HERE)]]
     envs = each_env or [{}] * len(starts)
     procs = [subprocess.Popen([*start, "--train", str(out), "--", *args], env={**env, **own},
@@ -261,9 +266,8 @@ def nodes(root: Path, optimizer: str, steps: int, at: int, shape: dict,
     one_node = launch(root, "one-node", args("one-node", "--trainer.devices", "2"),
                       commands=torchrun(1, 2, free_port()))
     two = ("--trainer.num_nodes", "2", "--trainer.devices", "1")
-    first = args("two-nodes", *two)
-    first[first.index("--trainer.max_steps") + 1] = str(at)
-    launch(root, "two-nodes", first, commands=torchrun(2, 1, free_port()))
+    launch(root, "two-nodes", args("two-nodes", *two), stop_at=at,
+           commands=torchrun(2, 1, free_port()))
     resumed = launch(root, "two-nodes", args("two-nodes", *two, "--ckpt_path", "last"),
                      commands=torchrun(2, 1, free_port()))
     slurm = launch(root, "slurm", args("slurm", *two), commands=[
