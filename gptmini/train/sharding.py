@@ -43,6 +43,7 @@ from gptmini.checkpoint import read_checkpoint
 from gptmini.checkpoint.atomic import (
     atomic_save,
     remove_checkpoint_path,
+    remove_stale_temporaries,
     replace_directory,
     temporary_path,
 )
@@ -124,6 +125,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         shards = {"state_dict": checkpoint.pop("state_dict"),
                   **{f"optimizer_{i}": s
                      for i, s in enumerate(checkpoint.pop("optimizer_states", []))}}
+        if self.is_global_zero:  # a killed save's leftovers must not mix into this one
+            remove_stale_temporaries(path.parent, path.name)
+        self.barrier("sharded checkpoint staged")
         try:
             dcp.save(shards, checkpoint_id=staging)  # collective; any rank's error: all raise
             if self.is_global_zero:
