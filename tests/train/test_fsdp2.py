@@ -75,6 +75,7 @@ def test_lightnings_fsdp1_is_refused_with_the_way_to_fsdp2(tmp_path):
                    str(tmp_path), "--trainer.accelerator", "cpu"])
 
 
+@pytest.mark.slow
 def test_each_rank_holds_half_the_parameters_and_optimizer_states(tmp_path):
     """The default run's model with Muon, one step: each of two ranks holds at most 0.55x
     of one process's bytes of parameters and optimizer states (local shards counted)."""

@@ -37,6 +37,9 @@ def on_each_rank(rank: int, world: int) -> dict:
     return {"rows": sharded_rows(mesh), "weights": sharded_training(mesh)}
 
 
+pytestmark = pytest.mark.slow  # two processes started, a few seconds each
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(on_each_rank, 2, tmp_path_factory.mktemp("ranks"))
