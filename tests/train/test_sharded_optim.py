@@ -15,6 +15,7 @@ from gptmini.train.steps import clip_gradients
 
 RATES = dict(learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1, betas=(0.9, 0.95))
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.slow  # two processes started, a few seconds each
 # Uneven on purpose: 5 and 7 rows split 3+2 and 4+3; one row leaves rank 1 none; three
 # matrices of one shape need a padding matrix for two owners; 7 x 5 is tall.
 SHAPES = [(5, 7), (5, 7), (5, 7), (7, 5), (1, 4), (6, 6)]
@@ -35,9 +36,6 @@ def on_each_rank(rank: int, world: int) -> dict:
     """What the tests below compare, from one launch of two processes (each costs seconds)."""
     mesh = init_device_mesh("cpu", (world,))
     return {"rows": sharded_rows(mesh), "weights": sharded_training(mesh)}
-
-
-pytestmark = pytest.mark.slow  # two processes started, a few seconds each
 
 
 @pytest.fixture(scope="module")
