@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from gptmini.convert.llama import TABLE as LLAMA_TABLE
-from gptmini.convert.llama import interleaved_to_halves, rope_base
+from gptmini.convert.llama import interleaved_to_halves
+from gptmini.convert.rope import rope_base
 from gptmini.convert.weights import (
     Layout,
     config_integer,
@@ -104,7 +105,7 @@ def config_from_deepseek(hf_config: Mapping) -> GPTConfig:
         problems.append(f"first_k_dense_replace={dense!r} below num_hidden_layers={layers} "
                         "(mixture-of-experts layers; gptmini's MLP is dense: only a "
                         "DeepSeek-V3 with first_k_dense_replace >= num_hidden_layers loads)")
-    theta, rope_problems = rope_base(c)
+    theta, rope_problems = rope_base(c, "DeepSeek-V3")
     problems += rope_problems
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (SwiGLU here is SiLU-gated)")

@@ -61,12 +61,22 @@ CASES = {
     "linear scaling beside default rope_parameters": (
         {**LLAMA, "rope_parameters": DEFAULT_ROPE,
          "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-        r"rope scaling 'linear' in rope_scaling \(only plain rotary positions"),
+        r"rope_parameters and rope_scaling that disagree .*: keep one"),
     "a factor without a type": ({**LLAMA, "rope_scaling": {"factor": 2.0}},
                                 r"rope_scaling with factor=2.0 and rope_type None"),
-    "rope_parameters of another type": (
-        {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-        r"rope scaling 'yarn' in rope_parameters"),
+    "rope_parameters of a type gptmini does not compute": (
+        {**LLAMA, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+        r"rope scaling 'dynamic' in rope_parameters \(gptmini computes linear, llama3, yarn"),
+    "a partial rotary factor": (
+        {**LLAMA, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+        r"rope_parameters with partial_rotary_factor=0.5"),
+    "a yarn factor below 1": (
+        {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 0.5}},
+        r"rope_scaling=.*'yarn'.*factor is 0.5: .*factor of 1 or more"),
+    "llama3 with a setting it does not read": (
+        {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "beta_fast": 32}},
+        r"llama3 scaling reads .*; beta_fast is not one of them"),
     "rope_theta infinite": ({**LLAMA, "rope_theta": float("inf")},
                             r"'rope_theta' is inf; gptmini reads a finite positive number"),
     "two rope_theta": ({**LLAMA, "rope_parameters": {"rope_type": "default",
