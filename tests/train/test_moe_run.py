@@ -46,8 +46,6 @@ def test_trains_generates_and_is_served(trained, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs i44-train: the language-modelling task that "
-                                       "asks forward for return_parts and logs each part")
 def test_the_load_balancing_loss_is_logged_as_its_own_metric(trained):
     rows = read_metrics(trained)
     balance = column(rows, "train/load_balance")
