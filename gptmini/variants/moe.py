@@ -17,8 +17,8 @@ per token, so the layer holds E times an expert's parameters for about k times i
 The router is trained to spread the tokens by the Switch Transformer's load-balancing loss
 (`aux_loss_coef` * E * sum_e f_e * P_e: f_e the share of the k assignments expert e got,
 P_e its mean probability), computed as transformers' Qwen3-MoE computes it: f and P taken
-over every layer's tokens together, so each layer hands in its (f, P) and `MoE.finish_aux
-_losses` makes the one loss, reported as the part "load_balance" (train/load_balance).
+over every layer's tokens together, so each layer hands in its (f, P) and
+`MoE.finish_aux_losses` makes the one loss, the part "load_balance" (train/load_balance).
 
 Names are Hugging Face's Qwen3MoeSparseMoeBlock's as its checkpoints store them (`gate`,
 `experts.{e}.gate_proj`, ...), so gptmini.convert.llama maps them by rows; transformers 5

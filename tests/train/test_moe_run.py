@@ -1,5 +1,5 @@
 """A mixture-of-experts model (GPTConfig.mlp "moe") through the commands: train.py trains it
-with its options from the command line and logs its load-balancing loss as its own metric,
+with its options from the command line and logs its load-balancing loss as its own metrics,
 and its checkpoint generates (the cache equal to recompute) and is served by the engine."""
 
 import pytest
@@ -52,3 +52,4 @@ def test_the_load_balancing_loss_is_logged_as_its_own_metric(trained):
     assert len(balance) >= 10, sorted(rows[0])
     # 0.01 * E * sum_e f_e P_e: 0.01 * top_k when balanced, at most 0.01 * E * top_k
     assert all(0 < b <= 0.01 * 4 * 2 for b in balance) and len(set(balance)) > 1, balance
+    assert column(rows, "val/load_balance"), "validation reports it too"
