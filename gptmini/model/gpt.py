@@ -38,10 +38,9 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 
 def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
-    """How a mixer's or feed-forward's module hands the model an auxiliary loss (one whose
-    `aux_loss` is True; see gptmini.model.mixers.TokenMixer.aux_loss): `loss`, a scalar
-    already weighted by its coefficient, added to this pass's `aux_losses` under `name`
-    (summed over the layers that add one); nothing when nobody asked for them (None)."""
+    """How a module whose `aux_loss` is True hands the model an auxiliary loss: `loss`, a scalar
+    weighted by its coefficient (or statistics its feed-forward's finish_aux_losses makes one),
+    summed under `name` over the layers into `aux_losses`; nothing when it is None (not asked)."""
     if aux_losses is not None:
         aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
 
@@ -224,6 +223,7 @@ class GPTModel(nn.Module):
         if targets is not None:
             loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
                     if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
+            parts = self.feed_forward.finish_aux_losses(parts) if return_parts else None
             total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
             return (total, parts) if return_parts else loss
         if isinstance(logits_to_keep, Tensor):
