@@ -182,11 +182,11 @@ TABLE_MODULES = {"gptmini/model/mixers.py", "gptmini/model/feedforward.py"}
 """Where a mixer's or a feed-forward's name may be read: their tables (and the variants'
 own files, each its table entry's object)."""
 # ("attention" is every word's)
-PART_NAMES = {"mla", "deltanet", "gelu", "swiglu", "relu2", "geglu"}
+PART_NAMES = {"mla", "deltanet", "gelu", "swiglu", "relu2", "moe", "geglu"}
 PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank"}
 PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet",
                 "GatedDeltaNetLayer", "DeltaNetState", "TransformerBlock", "FeedForward",
-                "SwiGLU"}
+                "SwiGLU", "MixtureOfExperts"}
 
 
 def name_branches(tree: ast.AST) -> list[tuple[int, str]]:

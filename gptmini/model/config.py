@@ -103,15 +103,13 @@ class GPTConfig:
     norm_eps: float = 1e-5
     """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
     mlp: str = "gelu"
-    """The feed-forward, a name in gptmini.model.feedforward.MLPS: gelu (the book's 4x
-    GELU), swiglu (gated SiLU, Llama's), geglu (gated GELU, Gemma's) or relu2 (squared
-    ReLU); or one of your own as 'package.module:ClassName'."""
+    """The feed-forward, a name in gptmini.model.feedforward.MLPS (gelu: the book's 4x GELU;
+    swiglu, relu2, geglu: Gemma's, moe: a mixture of experts), or your own as
+    'package.module:ClassName'."""
     mlp_hidden_dim: int | None = None
-    """The MLP's hidden width; None: 4 * emb_dim, or for swiglu 8/3 * emb_dim rounded up to a
-    multiple of 64 (about the parameters of 4x GELU)."""
+    """The MLP's (each expert's) hidden width; None: the feed-forward's (gelu's 4 * emb_dim)."""
     mlp_options: dict | None = None
-    """The feed-forward's own options, by the names it reads (its `options`); the built-ins
-    take none. None: none."""
+    """The feed-forward's own options by name (moe's experts, top_k, ...); None: none."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys before attending (Qwen3, OLMo 2)."""
     bias: bool = True

@@ -38,10 +38,9 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 
 def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
-    """How a mixer's or feed-forward's module hands the model an auxiliary loss (one whose
-    `aux_loss` is True; see gptmini.model.mixers.TokenMixer.aux_loss): `loss`, a scalar
-    already weighted by its coefficient, added to this pass's `aux_losses` under `name`
-    (summed over the layers that add one); nothing when nobody asked for them (None)."""
+    """How a module whose `aux_loss` is True hands the model an auxiliary loss: `loss`, a scalar
+    weighted by its coefficient (or statistics its feed-forward's finish_aux_losses makes one),
+    summed under `name` over the layers into `aux_losses`; nothing when it is None (not asked)."""
     if aux_losses is not None:
         aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
 
@@ -206,8 +205,8 @@ class GPTModel(nn.Module):
             return_parts: with targets, return (loss, parts): `parts` the auxiliary losses
                 the layers computed in this pass by name, each a scalar already weighted
                 by its coefficient (a mixture of experts' load balance; {} for a model
-                without any), and `loss` the language-modelling loss plus their sum.
-                Without it the loss is the language-modelling loss alone (evaluation's).
+                without any), and `loss` the language-modelling loss plus their sum (but
+                per position with reduction "none"). Without it, the LM loss alone.
 
         Returns:
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
@@ -233,7 +232,9 @@ class GPTModel(nn.Module):
         if targets is not None:
             loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
                     if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
-            return (loss + sum(parts.values()), parts) if return_parts else loss
+            parts = self.feed_forward.finish_aux_losses(parts) if return_parts else None
+            total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
+            return (total, parts) if return_parts else loss
         if isinstance(logits_to_keep, Tensor):
             x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
         elif logits_to_keep is not None:
@@ -254,9 +255,8 @@ class GPTModel(nn.Module):
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
-        if return_parts and (targets is None or reduction == "none"):
-            raise ValueError("return_parts returns the loss and its auxiliary parts: pass "
-                             "targets with reduction 'mean' or 'sum'")
+        if return_parts and targets is None:
+            raise ValueError("return_parts returns the loss and its auxiliary parts: pass targets")
 
     def _context(self, in_idx: Tensor, attention_mask: Tensor | None,
                  document_ids: Tensor | None, kv_caches: list[BaseKVCache] | None,
