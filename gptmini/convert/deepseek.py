@@ -46,7 +46,9 @@ to it."""
 DEEPSEEK = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
             "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
             "layer_windows": None, "attn_sinks": False, "attn_gate": "none",
-            "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS}
+            "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS,
+            "rope_scaling": None, "rope_local_theta": None, "post_norms": False,
+            "scale_embeddings": False, "logit_softcap": None}
 """The GPTConfig options a dense DeepSeek-V3 has, beside mla_kv_lora_rank."""
 
 # (gptmini name, Hugging Face name); {i}: every layer. A dense DeepSeek-V3 is Llama's
