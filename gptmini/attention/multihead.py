@@ -114,12 +114,7 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim or d_out // num_heads
         inner = num_heads * self.head_dim  # the heads side by side: d_out unless head_dim
-        if scale is not None and not (isinstance(scale, float | int) and 0 < scale < float("inf")):
-            raise ArgumentError("scale", scale, "use a finite positive factor, or None for "
-                                "1/sqrt(head_dim)")
-        # kernels scale by 1/sqrt(head_dim): another scale becomes the queries' factor
-        factor = None if scale is None else scale * self.head_dim ** 0.5
-        self.query_scale = None if factor == 1.0 else factor
+        self.query_scale = _query_scale(scale, self.head_dim)
         self.context_length = context_length
         scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
         self.settings = AttentionSettings(causal, window_size, scheme, softcap)
@@ -131,12 +126,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(inner, d_out, bias=out_bias)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         if qk_norm:  # one gain per head dimension, shared by the heads
-            from gptmini.attention.norm import RMS_NORMS  # (loaded by the option that needs it)
-
-            if (qk_norm is not True) and qk_norm not in RMS_NORMS:
-                raise ArgumentError("qk_norm", qk_norm, f"use True or one of {list(RMS_NORMS)}")
-            norm = RMS_NORMS["rmsnorm" if qk_norm is True else qk_norm]
-            self.q_norm, self.k_norm = norm(self.head_dim, eps=1e-6), norm(self.head_dim, eps=1e-6)
+            self.q_norm, self.k_norm = _qk_norms(qk_norm, self.head_dim)
         self.qk_norm = bool(qk_norm)
         # after the book's weights, which keep their order; zeros: no random numbers drawn
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
@@ -276,6 +266,32 @@ def check_dropout(dropout: float) -> None:
     """
     if not 0.0 <= dropout < 1.0:
         raise ArgumentError("dropout", dropout, "use a number in [0, 1)")
+
+
+def _query_scale(scale: float | None, head_dim: int) -> float | None:
+    """What queries are multiplied by so that the scores, which every kernel scales by
+    1/sqrt(head_dim), are scaled by `scale` instead; None: nothing to multiply.
+
+    Raises:
+        ArgumentError: naming scale, when it is not a finite positive number.
+    """
+    if scale is None:
+        return None
+    if not (isinstance(scale, float | int) and 0 < scale < float("inf")):
+        raise ArgumentError("scale", scale, "use a finite positive factor, or None for "
+                            "1/sqrt(head_dim)")
+    factor = scale * head_dim ** 0.5
+    return None if factor == 1.0 else factor
+
+
+def _qk_norms(kind: bool | str, head_dim: int) -> tuple[nn.Module, nn.Module]:
+    """QK-norm's two norms, of the kind named (True: RMSNorm), with Qwen3's epsilon."""
+    from gptmini.attention.norm import RMS_NORMS  # (loaded by the option that needs it)
+
+    if kind is not True and kind not in RMS_NORMS:
+        raise ArgumentError("qk_norm", kind, f"use True or one of {', '.join(RMS_NORMS)}")
+    norm = RMS_NORMS["rmsnorm" if kind is True else kind]
+    return norm(head_dim, eps=1e-6), norm(head_dim, eps=1e-6)
 
 
 def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, alibi: bool,
