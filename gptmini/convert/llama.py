@@ -28,8 +28,10 @@ from dataclasses import replace
 
 from torch import Tensor
 
+from gptmini.convert.rope import read_rope, rope_entries
 from gptmini.convert.weights import (
     Layout,
+    checked_config,
     config_integer,
     config_number,
     model_from_weights,
@@ -39,7 +41,7 @@ from gptmini.model import GPTConfig, GPTModel, is_finite_number
 
 __all__ = ["LAYOUTS", "MOE_TABLE", "TABLE", "config_from_llama", "config_to_llama",
            "config_to_qwen3_moe", "from_llama_state_dict", "interleaved_to_halves",
-           "is_llama_architecture", "rope_base", "to_llama_state_dict", "to_qwen3_moe_state_dict"]
+           "is_llama_architecture", "to_llama_state_dict", "to_qwen3_moe_state_dict"]
 
 TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
     ("tok_emb.weight", "model.embed_tokens.weight"),
@@ -74,7 +76,8 @@ as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
          "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
          "attn_sinks": False, "attn_gate": "none", "layer_kinds": None,
-         "mla_kv_lora_rank": None}
+         "mla_kv_lora_rank": None, "rope_local_theta": None, "attn_scale_dim": None,
+         "post_norms": False, "scale_embeddings": False, "logit_softcap": None}
 """The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's);
 one with multi-head latent attention is DeepSeek-V3's (gptmini.convert.deepseek)."""
 
@@ -109,9 +112,9 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
     """The GPTConfig of a Llama, Qwen3 or Qwen3-MoE `config.json` dict.
 
     Raises:
-        ValueError: what the config asks for that GPTModel does not have (biases, rope
-            scaling, another activation, a head size other than hidden / heads; a
-            Qwen3-MoE's dense layers or shared expert).
+        ValueError: what the config asks for that GPTModel does not have (biases, a rope
+            scaling it does not compute, another activation; a Qwen3-MoE's dense layers or
+            shared expert).
     """
     c = {**hf_config, "model_type": _model_type(hf_config)}
     title = "Qwen3-MoE" if c["model_type"] == "qwen3_moe" else "Llama"
@@ -121,16 +124,16 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     kv_heads = (heads if c.get("num_key_value_heads") is None
                 else config_integer(c, "num_key_value_heads", title))
-    theta, problems = rope_base(c)
+    problems: list[str] = []
+    theta, scaling = read_rope(c, title, problems)  # Llama 3.1's llama3, Qwen3's yarn
     mlp = (_moe_fields(c, problems) if title == "Qwen3-MoE"
            else {"mlp_hidden_dim": config_integer(c, "intermediate_size", title)})
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (SwiGLU here is SiLU-gated)")
     if c.get("attention_bias") or c.get("mlp_bias"):
         problems.append("attention_bias/mlp_bias (gptmini's Llama layout has no biases)")
-    if c.get("head_dim") not in (None, hidden // heads):
-        problems.append(f"head_dim={c['head_dim']!r} (gptmini's is hidden_size / heads = "
-                        f"{hidden // heads})")
+    head_dim = (hidden // heads if c.get("head_dim") is None  # Qwen3's is its own
+                else config_integer(c, "head_dim", title))
     if c.get("quantization_config") is not None:
         problems.append(quantization_problem(c["quantization_config"]))
     qk_norm = c.get("model_type") in ("qwen3", "qwen3_moe")
@@ -142,11 +145,13 @@ def config_from_llama(hf_config: Mapping) -> GPTConfig:
     if problems:
         raise ValueError(f"this {title} config cannot be loaded into GPTModel: "
                          + "; ".join(problems))
-    return GPTConfig(
+    return checked_config(
+        title,
         vocab_size=sizes["vocab_size"], context_length=sizes["max_position_embeddings"],
         emb_dim=hidden, n_heads=heads, n_layers=sizes["num_hidden_layers"],
         drop_rate=0.0, n_kv_heads=None if kv_heads == heads else kv_heads,
         tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=theta,
+        rope_scaling=scaling, head_dim=None if head_dim * heads == hidden else head_dim,
         norm_eps=norm_eps, qk_norm=qk_norm, layer_windows=layer_windows,
         **{k: v for k, v in LLAMA.items() if k not in ("qk_norm", "attn_softcap")} | mlp,
     )
@@ -215,42 +220,6 @@ def _layer_windows(c: Mapping, n_layers: int, problems: list[str]) -> list[int |
     return windows if any(windows) else None
 
 
-ROPE_KEYS = ("rope_type", "type", "rope_theta")
-"""What a rope_parameters / rope_scaling entry may hold for plain rotary positions."""
-
-
-def rope_base(config: Mapping) -> tuple[float, list[str]]:
-    """The rotary base a Llama config asks for, and what of its rope entries gptmini cannot
-    compute: `rope_scaling` and `rope_parameters` are both read (a config may carry a
-    default one beside a scaled one), and anything but plain rotary positions is named.
-    """
-    problems, thetas = [], []
-    if config.get("rope_theta") is not None:
-        thetas.append(config_number(config, "rope_theta", "Llama", 10000.0))
-    for key in ("rope_parameters", "rope_scaling"):
-        entry = config.get(key)
-        if entry is None:
-            continue
-        if not isinstance(entry, Mapping):
-            problems.append(f"{key}={entry!r} (gptmini reads an object such as "
-                            "{'rope_type': 'default'}, or null)")
-            continue
-        kind = entry.get("rope_type", entry.get("type"))
-        extra = sorted(k for k in entry if k not in ROPE_KEYS)
-        if kind not in (None, "default"):
-            problems.append(f"rope scaling {kind!r} in {key} (only plain rotary positions, "
-                            "rope_type 'default')")
-        elif extra:
-            problems.append(f"{key} with {', '.join(f'{k}={entry[k]!r}' for k in extra)} and "
-                            f"rope_type {kind!r} (gptmini reads plain rotary positions only: "
-                            "no scaling factor)")
-        if entry.get("rope_theta") is not None:
-            thetas.append(config_number(entry, "rope_theta", f"Llama {key}", 10000.0))
-    if len(set(thetas)) > 1:
-        problems.append(f"rope_theta values that differ ({sorted(set(thetas))})")
-    return (thetas[0] if thetas else 10000.0), problems
-
-
 def config_to_llama(cfg: GPTConfig) -> dict:
     """A `config.json` dict that `transformers.LlamaConfig` reads as `cfg` (with qk_norm,
     one that `Qwen3Config` reads).
@@ -283,11 +252,10 @@ def config_to_llama(cfg: GPTConfig) -> dict:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-        "head_dim": cfg.emb_dim // cfg.n_heads,
+        "head_dim": cfg.head_size,
         "max_position_embeddings": cfg.context_length,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_entries(cfg.rope_theta, cfg.rope_scaling),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -5,6 +5,7 @@ conversion ask instead of branching on a name.
     gelu     the book's FeedForward: emb_dim -> 4 * emb_dim -> emb_dim, GELU (tanh)
     relu2    the same with squared ReLU (modded-nanogpt's)
     swiglu   gated SiLU, Llama's: down(silu(gate(x)) * up(x))
+    geglu    gated GELU, Gemma's (gptmini.variants.geglu, loaded when named)
     moe      a top-k routed mixture of SwiGLU experts, Qwen3-MoE's (gptmini.variants.moe)
 
 A new one is its own file (a `FeedForwardKind` and its module) and one entry in `MLPS`; one
@@ -152,6 +153,7 @@ MLPS = Table("feed-forward", {
     "gelu": GeluMLP,
     "swiglu": SwiGLUMLP,
     "relu2": SquaredReluMLP,
+    "geglu": "gptmini.variants.geglu:GeGLUMLP",
     "moe": "gptmini.variants.moe:MoE",
 })
 """Every feed-forward by the name GPTConfig.mlp gives it (read-only)."""
