@@ -19,6 +19,7 @@ from gptmini.tokenizer import encode_prompt
 from gptmini.train.lightning_internals import rewind_batches, save_last_checkpoint
 from gptmini.train.module import GPTLitModule
 from gptmini.train.rng import rng_states, set_rng_states
+from gptmini.train.sharding import is_sharded_run
 
 
 class EveryNSteps(Callback):
@@ -32,12 +33,14 @@ class EveryNSteps(Callback):
     def __init__(self, every_n_steps: int):
         self.every_n_steps = every_n_steps
 
-    def due(self, trainer: Trainer, pl_module: GPTLitModule) -> bool:
+    def due(self, trainer: Trainer, pl_module: GPTLitModule, every_rank: bool = False) -> bool:
+        """`every_rank`: due on every rank, not rank 0 alone (a sharded model's forward
+        needs all of them)."""
         return (
             pl_module.optimizer_steps.stepped(trainer)
             and self.every_n_steps > 0
             and trainer.global_step % self.every_n_steps == 0
-            and trainer.is_global_zero
+            and (trainer.is_global_zero or every_rank)
         )
 
 
@@ -283,10 +286,13 @@ class SampleCallback(EveryNSteps):
             self.prompt = corpus_prompt(trainer, 8, SHAKESPEARE_PROMPT)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
-        if not self.due(trainer, pl_module):
+        # A sharded model's every forward gathers from all ranks: they all sample alike.
+        if not self.due(trainer, pl_module, every_rank=is_sharded_run(pl_module.model)):
             return
         step = trainer.global_step
         text = sample_text(pl_module, self.prompt, self.max_new_tokens)
+        if not trainer.is_global_zero:
+            return
         print(f"\n[step {step}] {text!r}", flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -349,6 +355,10 @@ class AttentionMapCallback(EveryNSteps):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
         if self._disabled or not trainer.is_global_zero:
             return
+        if is_sharded_run(pl_module.model):
+            return self._disable("a sharded model (--trainer.strategy fsdp2) has its weights "
+                                 "on every rank, and the maps are drawn on one; draw them "
+                                 "from a checkpoint with visualize.py")
         if self.asked is None:
             self.prompt = corpus_prompt(trainer, 12, self.SHAKESPEARE)
         try:

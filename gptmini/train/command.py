@@ -54,6 +54,7 @@ from gptmini.train.plan import plan_run
 from gptmini.train.progress import progress_bar
 from gptmini.train.report import RunReport
 from gptmini.train.run_lock import is_first_process, run_lock
+from gptmini.train.sharding import FSDP1_REFUSED, FSDP2Strategy
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and flags alone apply on top of it."""
@@ -90,11 +91,18 @@ class GPTTrainer(Trainer):
             precision: "auto" (bf16-mixed where the CPU or GPU has bf16 units, else
                 32-true; a resumed run keeps its checkpoint's), or any of Lightning's:
                 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true.
+            strategy: Lightning's (ddp, ...), or "fsdp2": every weight, gradient and
+                optimizer state sharded across all ranks (gptmini.train.sharding).
         """
         if precision == AUTO:
             raise ValueError("precision 'auto' is decided by train.py's plan of the run "
                              "(gptmini.train.plan.plan_precision); give the Trainer one of "
                              "Lightning's, e.g. 32-true or bf16-mixed")
+        strategy = kwargs.get("strategy")
+        if strategy == "fsdp2":
+            kwargs["strategy"] = FSDP2Strategy()
+        elif isinstance(strategy, str) and strategy.startswith("fsdp"):
+            raise ValueError(FSDP1_REFUSED.format(name=strategy))
         super().__init__(precision=precision, **kwargs)
 
 
@@ -371,10 +379,10 @@ def fit(cli: GPTCLI):
 
 def _fit(cli: GPTCLI):
     ckpt, checkpoints = cli.config.ckpt_path, run_dir(cli) / "checkpoints"
-    if ckpt == "last" and not (checkpoints / "last.ckpt").is_file():
+    if ckpt == "last" and not (checkpoints / "last.ckpt").exists():  # sharded: a directory
         print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")
         ckpt = None
-    elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
+    elif ckpt is not None and ckpt != "last" and not Path(ckpt).exists():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
     if ckpt is not None:
         check_resumable(checkpoints / "last.ckpt" if ckpt == "last" else Path(ckpt))
@@ -396,7 +404,8 @@ def check_resumable(path: Path) -> None:
         ValueError: naming the file (and the tensors that are not finite).
     """
     check_readable(path)
-    state = read_checkpoint(path, "cpu", mmap=True)
+    # a sharded checkpoint's weights are read when it loads (a run saves no NaN weights)
+    state = read_checkpoint(path, "cpu", mmap=True, weights=False)
     weights = state.get("state_dict") if isinstance(state, dict) else None
     if isinstance(weights, dict):
         check_finite({k: v for k, v in weights.items() if k.startswith(MODEL_PREFIX)},
@@ -422,7 +431,8 @@ def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
             f"({', '.join(existing)}), which a new run would overwrite")
     try:
         saved = read_checkpoint(checkpoints / ("last.ckpt" if "last.ckpt" in existing
-                                               else existing[0]), "cpu", mmap=True)
+                                               else existing[0]), "cpu", mmap=True,
+                                weights=False)
         trained_on = saved["datamodule_hyper_parameters"]["source"]
     except (ValueError, OSError, KeyError, TypeError):
         trained_on = ...  # unreadable or older: no corpus to compare

@@ -12,7 +12,6 @@ import lightning as L
 import tiktoken
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.checkpoint import model_config, write_model_entries
 from gptmini.finetune import adapter_state
@@ -23,6 +22,7 @@ from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
 from gptmini.train.optim import apply_changed_settings, check_optimization, configure
 from gptmini.train.rng import every_rank_states, restore_rank_states
+from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
 from gptmini.train.steps import OptimizerSteps, SkippedSteps, Throughput, clip_gradients
 from gptmini.train.tasks import task_for
@@ -130,13 +130,22 @@ class GPTLitModule(L.LightningModule):
     # --- setup ------------------------------------------------------------------------
 
     def configure_model(self):
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            strategy = None
+        if isinstance(strategy, FSDP2Strategy):  # each block compiled, then sharded
+            if not is_sharded_run(self.model):
+                compile = self.hparams.compile and self.can_compile()
+                shard_model(self.model, strategy.mesh, str(self.trainer.precision), compile)
+            return
         if self.hparams.compile:
             self.compile_model()
 
-    def compile_model(self) -> None:
-        """Compile the model in place (parameter names, hence checkpoints, do not change),
-        for the device it will train on: Lightning calls `configure_model` before moving
-        the model there. Where compiling cannot work, say why and train eagerly."""
+    def can_compile(self) -> bool:
+        """Whether torch.compile can work on the device the model will train on (Lightning
+        calls `configure_model` before moving the model there); if not, say why: the run
+        trains eagerly."""
         try:
             device = self.trainer.strategy.root_device
         except RuntimeError:  # not attached to a Trainer
@@ -144,9 +153,14 @@ class GPTLitModule(L.LightningModule):
         blocker = compile_blocker(device)
         if blocker is not None:  # the default run compiles: a newcomer's laptop still trains
             warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
-                          stacklevel=2)
-            return
-        self.model.compile()
+                          stacklevel=3)
+        return blocker is None
+
+    def compile_model(self) -> None:
+        """Compile the model in place (parameter names, hence checkpoints, do not change),
+        where it can be compiled (`can_compile`)."""
+        if self.can_compile():
+            self.model.compile()
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:
@@ -201,7 +215,7 @@ class GPTLitModule(L.LightningModule):
         # One pass measures the norm (logged) and clips by it; a step that is not finite is
         # skipped on the device and reported at the next check, nothing waiting on it.
         norm = clip_gradients(list(self.parameters()), gradient_clip_val,
-                              gradient_clip_algorithm, self.trainer.strategy.model)
+                              gradient_clip_algorithm)
         self.log("train/grad_norm", norm)
         self.skipped_steps.skip_if_not_finite(optimizer, norm, self.global_step,
                                               str(self.trainer.precision))
@@ -263,10 +277,8 @@ class GPTLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         name = self.weights.optimizer(self.hparams.optimizer, say=self._say)
-        sharded = name == "muon" and isinstance(self.trainer.strategy.model,
-                                                FullyShardedDataParallel)
         return configure(self.model, self.hparams, name=name, device=self.device,
-                         sharded=sharded, total_steps=self._total_steps())
+                         total_steps=self._total_steps())
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:

@@ -98,11 +98,11 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
     else:
         lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")
     last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
-    lines.append(f"checkpoints  {last}" + (f", {best}" if (checkpoints / "best.ckpt").is_file()
-                                           else ""))
+    saved_best = (checkpoints / "best.ckpt").exists()  # a sharded one is a directory
+    lines.append(f"checkpoints  {last}" + (f", {best}" if saved_best else ""))
     lines.append(f"curves       {_shown(curves) if isinstance(curves, Path) else curves}")
     python = _python()
-    chosen = best if (checkpoints / "best.ckpt").is_file() else last
+    chosen = best if saved_best else last
     lines += [
         "next",
         f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",

@@ -15,6 +15,7 @@ import tiktoken
 from gptmini.chat import ChatTemplate, directory_template
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
+    is_sharded,
     load_checkpoint,
     model_config,
     model_source,
@@ -54,10 +55,10 @@ class Source:
             FileNotFoundError: nothing there. ValueError: not a model gptmini reads.
         """
         config, tokenizer = model_source(path)
-        if Path(path).is_dir():
+        if Path(path).is_dir() and not is_sharded(path):  # a Hugging Face directory
             template = directory_template(path, tokenizer)
         else:
-            entry = read_checkpoint(path, "cpu", mmap=True).get("chat_template")
+            entry = read_checkpoint(path, "cpu", mmap=True, weights=False).get("chat_template")
             template = ChatTemplate.from_dict(entry) if entry else None
         return cls(str(path), config, tokenizer, template)
 
