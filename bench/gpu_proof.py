@@ -74,6 +74,9 @@ TINY_RUN = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
             "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
             "--checkpoint_every", "2", "--model.warmup_steps", "1"]
 """What --tiny changes in the GPU config's runs: a CPU, no compiling, a tiny model."""
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                   "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+"""What torch.distributed (Lightning, for the fsdp item) sets in this process's environment."""
 
 
 @dataclass
@@ -108,7 +111,10 @@ def gpu_tests(proof: Proof) -> dict:
     xml, log = proof.out / "gpu_tests.xml", proof.out / "gpu_tests.log"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p",
                "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", f"--junitxml={xml}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    # Not the process group the fsdp item left behind: on one H200 the tests' own FSDP2 run
+    # inherited its MASTER_PORT and failed with EADDRINUSE (the proof still listens on it).
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env = {**env, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with log.open("w") as output:
         subprocess.run(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,

@@ -156,3 +156,17 @@ def test_a_new_built_in_kernel_is_one_file_and_its_name_in_the_table(package_cop
         "float((model(idx) - want).abs().max()))\n")
     name, gap = out.split()
     assert name == "Float64Kernel" and float(gap) < 1e-5
+
+
+def test_a_cached_call_on_a_gpu_keeps_sdpa_off_cudnn():
+    """cuDNN's attention builds a graph per key length: with a cache, every decode step
+    (measured 7-13x slower on an H200); training and a CPU keep torch's own choice."""
+    from torch.nn.attention import SDPBackend
+
+    from gptmini.attention.kernels.sdpa import backends_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert SDPBackend.CUDNN_ATTENTION not in backends_for(cuda, uses_cache=True)
+    assert SDPBackend.FLASH_ATTENTION in backends_for(cuda, uses_cache=True)
+    assert backends_for(cuda, uses_cache=False) is None
+    assert backends_for(cpu, uses_cache=True) is None
