@@ -20,7 +20,7 @@ from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
-from gptmini.train.optim import apply_changed_settings, check_optimization, configure
+from gptmini.train.optim import apply_changed_settings, check_optimization, configure, warmup_for
 from gptmini.train.rng import every_rank_states, restore_rank_states
 from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
@@ -269,7 +269,7 @@ class GPTLitModule(L.LightningModule):
         check_same_model(checkpoint, self.cfg)
         total = self._total_steps()
         apply_changed_settings(checkpoint, self.hparams, total_steps=total,
-                               warmup_steps=min(self.hparams.warmup_steps, total),
+                               warmup_steps=warmup_for(self.hparams.warmup_steps, total),
                                announce=self.trainer is not None and self.trainer.is_global_zero)
         self._rng_to_restore = checkpoint.get("rng_states")
 
@@ -278,7 +278,7 @@ class GPTLitModule(L.LightningModule):
     def configure_optimizers(self):
         name = self.weights.optimizer(self.hparams.optimizer, say=self._say)
         return configure(self.model, self.hparams, name=name, device=self.device,
-                         total_steps=self._total_steps())
+                         total_steps=self._total_steps(), say=self._say)
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:
