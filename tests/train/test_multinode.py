@@ -36,7 +36,7 @@ NODE = textwrap.dedent("""
             cli.trainer.callbacks.insert(0, SignalOnThisNode())
             return cli
         training.build_cli = build_cli
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], own_signals=True))  # as train.py
 """)
 
 

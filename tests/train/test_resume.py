@@ -207,7 +207,7 @@ def test_a_signal_mid_accumulation_finishes_the_step_or_falls_back_to_the_last_o
     fit(straight)
     stopped = build(tmp_path, corpus, "signal", *extra, callbacks=[SignalAt(10)])
     with pytest.raises(RunInterrupted) as interrupted:
-        fit(stopped)
+        fit(stopped, own_signals=True)  # as train.py: the SIGTERM is not handed on
     assert interrupted.value.step == stops_at and interrupted.value.exit_code == 128 + 15
     last = tmp_path / "runs" / "signal" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == stops_at
@@ -273,7 +273,7 @@ DDP_RUN = textwrap.dedent("""
     if mode == "signal":
         cli.trainer.callbacks.insert(0, SignalRankOne())
     try:
-        fit(cli)
+        fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on
         code = 0
     except RunInterrupted as stop:
         code = stop.exit_code
