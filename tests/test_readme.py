@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import tiny_args
+
+from gptmini.train.command import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
@@ -45,15 +48,12 @@ SKIPPED = {
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
-    "--responses": "the book's records need a longer context than the tiny run's 16",
     "qwen3-0.6b": "needs the Qwen3 download",
 }
 PYTHON_SKIPPED = {
     "checkpoints/gpt2": "needs the GPT-2 download",
     "runs/lora-shakespeare": "needs the LoRA run",
     "sms_spam": "needs the network (the UCI download)",
-    "chat.completions": "the tiny run's context (16 tokens) is shorter than any chat prompt; "
-                        "tests/serve/test_server_chat.py makes these calls on a scripted model",
 }
 
 
@@ -85,7 +85,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder laid out as the README's clone after `python train.py`: the entry scripts,
-    the README and docs/, and a tiny run at runs/shakespeare-cpu."""
+    the README and docs/, and a tiny run at runs/shakespeare-cpu with the default run's
+    context and vocabulary (the BPE it fits to the embedded corpus), so that a page's prompt
+    or conversation fits the tiny run exactly when it fits the model the README trains."""
     from helpers import write_corpus
 
     from gptmini.train.command import main
@@ -96,9 +98,22 @@ def clone(tmp_path_factory) -> Path:
         (root / name).symlink_to(REPO / name)
     corpus = write_corpus(root / "corpus.txt", repeats=12)
     args = tiny_args(root, corpus, "--run_name", "shakespeare-cpu", "--trainer.max_steps", "10",
-                     "--trainer.val_check_interval", "5")
+                     "--trainer.val_check_interval", "5", *default_vocabulary_and_context(root))
     assert main(args) == 0
     return root
+
+
+def default_vocabulary_and_context(root: Path) -> list[str]:
+    """The flags that give a tiny run the default run's tokenizer and context_length."""
+    from gptmini.data import resolve_source
+    from gptmini.data.vocab import fit_tokenizer, parse_bpe
+
+    default = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    vocab = fit_tokenizer(resolve_source(None), parse_bpe(default["model"]["tokenizer"]),
+                          val_fraction=default["data"]["corpus"]["val_fraction"],
+                          cache_dir=root / "cache")
+    return ["--model.tokenizer", str(vocab),
+            "--model.context_length", str(default["model"]["context_length"])]
 
 
 @pytest.fixture(scope="module")
