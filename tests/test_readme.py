@@ -216,3 +216,18 @@ def test_every_skipped_command_is_still_on_a_page():
                       for page in PAGES)
     assert [key for key in {**SKIPPED, **PYTHON_SKIPPED} if key not in shown] == []
     assert shutil.which("sh")
+
+
+CUDA_BUILDS = {"cu126", "cu128", "cu130"}
+"""The CUDA builds download.pytorch.org publishes for torch 2.9 to 2.11 (2.9: the first
+release with torch.optim.Muon); cu124, the README's before, stops at torch 2.6."""
+
+
+def test_the_gpu_install_line_asks_for_pyprojects_torch_from_an_index_that_has_it():
+    """Before: `pip install torch --index-url .../cu124` found no torch 2.9+ build."""
+    wanted = re.search(r'^\s*"(torch[<>=!~][^"]*)"', text("pyproject.toml"), re.M).group(1)
+    lines = re.findall(r"pip install '(torch[^']*)' --index-url "
+                       r"https://download\.pytorch\.org/whl/(\w+)", text("README.md"))
+    assert lines, "the README's GPU install line is gone"
+    for asked, build in lines:
+        assert asked == wanted and build in CUDA_BUILDS, (asked, build, wanted)
