@@ -231,3 +231,20 @@ def test_the_gpu_install_line_asks_for_pyprojects_torch_from_an_index_that_has_i
     assert lines, "the README's GPU install line is gone"
     for asked, build in lines:
         assert asked == wanted and build in CUDA_BUILDS, (asked, build, wanted)
+
+
+def test_the_lora_figures_a_page_quotes_are_what_the_code_prints_for_the_default_model():
+    """Before: docs/finetuning.md quoted 65,536 of 4,328,192 parameters, an older default's."""
+    import dataclasses
+
+    from gptmini.model import GPTConfig, GPTModel
+    from gptmini.train.adapters import trained_weights
+
+    quoted = re.search(r"`(LoRA rank 8 on [^`]*)`", text("docs/finetuning.md")).group(1)
+    model = yaml.safe_load(DEFAULT_CONFIG.read_text())["model"]
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    vocab = int(model["tokenizer"].split(":")[1])  # bpe:N has N ids
+    cfg = GPTConfig(vocab_size=vocab, **{k: v for k, v in model.items() if k in fields})
+    lora = trained_weights(rank=8, alpha=16, dropout=0.0, init_from="the default run",
+                           targets=["W_query", "W_key", "W_value", "out_proj"])
+    assert " ".join(quoted.split()) == lora.summary(lora.apply(GPTModel(cfg), set()))
