@@ -65,6 +65,9 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = prose(REPO / "README.md")
     unlinked = [p.name for p in PAGES[1:] if f"](docs/{p.name}" not in readme]
     assert unlinked == []
+    docs = section(REPO / "README.md", "Docs")
+    twice = [p.name for p in PAGES[1:] if docs.count(f"](docs/{p.name})") > 1]
+    assert twice == [], f"the README's Docs list links {twice} more than once"
 
 
 def slug(heading: str) -> str:
