@@ -192,6 +192,7 @@ class GPTLitModule(L.LightningModule):
         return self.model(in_idx)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
+        self.throughput.count(self.task.tokens(batch))
         loss, metrics = self.task.loss(self.model, batch)
         for name, value in metrics.items():  # tensors: logged without waiting on the device
             self.log(f"train/{name}", value)
@@ -234,17 +235,24 @@ class GPTLitModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int):
         self.optimizer_steps.batch_started(self.trainer)
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return  # Lightning writes the logs at these same steps
+        # Throughput over the logging interval (data wait, forward, backward, optimizer),
+        # and the rate this step used. Logged here, not at the batch's end, because the
+        # callbacks' on_train_batch_end (the progress bar's) runs before the module's: the
+        # bar showed the previous interval's tokens/s.
+        for name, value in self.throughput.window(self.trainer.world_size).items():
+            self.log(f"train/{name}", value)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int):
-        self.throughput.count(self.task.tokens(batch))
         if not self.optimizer_steps.stepped(self.trainer):
             return  # inside a gradient accumulation
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return  # Lightning writes the logs at these same steps
         self.skipped_steps.raise_if_any(self.global_step)
-        # Throughput over the logging interval (data wait, forward, backward, optimizer).
-        for name, value in self.throughput.window(self.trainer.world_size).items():
-            self.log(f"train/{name}", value)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
 
     def on_validation_end(self):
         self.throughput.restart()  # validation time is not training throughput

@@ -331,8 +331,8 @@ def test_changed_optimization_settings_apply_on_resume_and_are_named(tmp_path, c
     steps, lrs = read_metrics_column(tmp_path / "runs" / "tiny", "train/lr")
     resumed = [(s, lr) for s, lr in zip(steps, lrs, strict=True) if s >= 4]
     assert [s for s, _ in resumed] == [4, 5, 6, 7]
-    for step, lr in resumed:  # the CSV row `step` is logged after optimizer step step + 1
-        assert lr == pytest.approx(5e-4 * lr_factor(step + 1, 2, 8, 0.1))
+    for step, lr in resumed:  # the CSV row `step` holds the rate optimizer step `step` used
+        assert lr == pytest.approx(5e-4 * lr_factor(step, 2, 8, 0.1))
     groups = cli.trainer.optimizers[0].param_groups
     assert groups[0]["weight_decay"] == 0.05 and groups[1]["weight_decay"] == 0.0
 
