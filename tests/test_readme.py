@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import tiny_args
+from helpers import HANG_SECONDS, tiny_args
 
 from gptmini.train.command import DEFAULT_CONFIG
 
@@ -128,7 +128,7 @@ def server(clone):
         yield port, process
     finally:
         process.terminate()
-        process.wait(timeout=60)
+        process.wait(timeout=HANG_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def run(command: str, cwd: Path, port: int) -> subprocess.CompletedProcess:
     command = command.replace(".venv/bin/python", sys.executable).replace("8000", str(port))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_SECONDS)
 
 
 def check_output(command: str, stdout: str, cwd: Path) -> None:
@@ -184,7 +184,7 @@ def test_every_command_and_snippet_runs_or_says_why_not(page, clone, server, alr
         os.chdir(cwd)
 
 
-def wait_for(port: int, server: subprocess.Popen, seconds: float = 60) -> None:
+def wait_for(port: int, server: subprocess.Popen, seconds: float = HANG_SECONDS) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert server.poll() is None, server.stdout.read()

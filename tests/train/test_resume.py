@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, tiny_args, write_corpus
+from helpers import HANG_SECONDS, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 from gptmini.data import Corpus, GPTDataModule, Loader, Windows
@@ -172,7 +172,7 @@ def test_a_kill_right_after_a_resumed_runs_first_save_loses_nothing(tmp_path, co
     # straight run at 2: MKL splits a long matmul reduction (the head's input gradient,
     # K = vocabulary) across threads and adds the partial sums in another order.
     proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_FIRST_SAVE, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=HANG_SECONDS,
                           env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert proc.returncode == 9, proc.stderr[-2000:]
     last = tmp_path / "runs" / "killed" / "checkpoints" / "last.ckpt"
@@ -228,7 +228,7 @@ def training_until_signalled(tmp_path, corpus, *extra: str):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
-    deadline = time.monotonic() + 300  # a hang guard, not a speed test
+    deadline = time.monotonic() + HANG_SECONDS  # a hang guard, not a speed test
     try:
         while not (metrics.is_file() and "train/loss" in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -245,7 +245,7 @@ def test_train_py_saves_and_exits_128_plus_the_signal(tmp_path, corpus, signum):
     proc, args = training_until_signalled(tmp_path, corpus)
     try:
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=HANG_SECONDS)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signum, err[-2000:]
@@ -301,7 +301,8 @@ def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path, optimizer):
 
     def run(mode, *extra):
         proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode, *base, *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [torch.load(tmp_path / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)]
 
@@ -411,7 +412,7 @@ def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=HANG_SECONDS)
     finally:
         proc.kill()
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
