@@ -97,9 +97,10 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
 
     def call(body):
         if not body["stream"]:
-            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_SECONDS).json()[
                 "choices"][0]["text"]
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=HANG_SECONDS) as answer:
             lines = [line for line in answer.iter_lines() if line]
         assert lines[-1] == "data: [DONE]", lines[-3:]
         return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
@@ -153,12 +154,13 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
         body = {"prompt": [15496] * 120, "max_tokens": 3000, "temperature": 0.7, "stream": stream,
                 "stream_options": {"include_usage": True} if stream else None}
         if not stream:
-            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_SECONDS)
             if answer.status_code != 200:
                 return answer.status_code, answer.json()["error"]["message"], None
             found = answer.json()
             return 200, found["choices"][0]["finish_reason"], found["usage"]["completion_tokens"]
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=HANG_SECONDS) as answer:
             lines = [line for line in answer.iter_lines() if line]
         if "error" in (last := json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else {}):
             return answer.status_code, last["error"]["message"], None  # (an error event)
