@@ -1,6 +1,6 @@
 """The GPU path proven in one command, its figures written to gpu_proof.json and .md.
 
-Part 1, the headline (one call of at most 8 minutes): the device parity check in float32
+Part 1, the headline (one command of at most 8 minutes): the device parity check in float32
 and bf16 (gptmini.testing.device); GPT-2 124M training at context 1024, compiled, bf16-mixed
 (tokens/s and MFU through the LightningModule and a plain loop, peak memory); decoding at
 batch 1 and 64 (eager); FSDP2 on one GPU (train, then resume from its checkpoint); the GPU
@@ -10,15 +10,15 @@ tests (`pytest -m gpu tests/test_gpu.py`). Part 2, more speed: the largest micro
 byte on its whole validation split; the engine at the 124M shape with 256 requests sharing
 a prefix, against one request alone.
 
-Each part fits one call of a GPU machine lent for minutes: its items run in order while
---budget lasts (an item found past it is written "out of time"; long items stop themselves
-at it), and the figures file is rewritten after every item, so a killed call still leaves
-what it measured. No part imports datasets or wandb; those that run train.py (the GPU
-tests, FSDP2, the default run) need jsonargparse and rustbpe: docs/benchmarks.md says how to
-carry them to a machine without a package index.
+Each part fits a few minutes of a GPU (a machine billed by the minute, a scheduler's short
+slot): its items run in order while --budget lasts (an item found past it is written "out of
+time"; long items stop themselves at it), and the figures file is rewritten after every
+item, so a killed command still leaves what it measured. No part imports datasets or wandb;
+those that run train.py (the GPU tests, FSDP2, the default run) need jsonargparse and
+rustbpe: docs/benchmarks.md says how to carry them to a machine without a package index.
 
     python bench/gpu_proof.py --out DIR               # part 1, the headline
-    python bench/gpu_proof.py --part 2 --out DIR      # then --part 3 (one call each)
+    python bench/gpu_proof.py --part 2 --out DIR      # then --part 3 (one command each)
     python bench/gpu_proof.py --merge A.json B.json C.json --out DIR   # the parts in one file
     python bench/gpu_proof.py --device cpu --tiny --part 1 2 3   # every part on tiny shapes
 """
@@ -86,7 +86,7 @@ class Proof:
     device: torch.device
     tiny: bool
     out: Path
-    """The figures file's folder (the device tool's $OUT)."""
+    """The figures file's folder (--out)."""
     runs: Path
     """Training runs' folder (checkpoints stay out of `out`)."""
     deadline: float
@@ -325,7 +325,7 @@ def engine(proof: Proof) -> dict:
 PARTS: dict[int, tuple[Callable[[Proof], dict], ...]] = {
     1: (parity, training, decoding, fsdp, gpu_tests), 2: (micro_batches, decoding_compiled),
     3: (default_run, engine)}
-"""Part 1 is the headline, in the order the figures matter if the call is cut short."""
+"""Part 1 is the headline, in the order the figures matter if the command is cut short."""
 
 
 # --- the figures file ----------------------------------------------------------------------
@@ -392,7 +392,7 @@ def run_item(item: Callable[[Proof], dict], proof: Proof) -> dict:
 
 
 def merge(paths: list[Path], out: Path) -> dict:
-    """The parts' files (one per call) as one file: items and parts together."""
+    """The parts' files (one per command) as one file: items and parts together."""
     files = [json.loads(p.read_text()) for p in paths]
     figures = {**files[0], "parts": sorted({p for f in files for p in f["parts"]}),
                "items": {k: v for f in files for k, v in f["items"].items()}}
@@ -403,7 +403,7 @@ def merge(paths: list[Path], out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", type=int, nargs="+", choices=sorted(PARTS), default=[1],
-                        help="which parts (default: 1, the headline; one call each)")
+                        help="which parts (default: 1, the headline; one command each)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-proof",
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "gpu-proof",
                         help="folder of the training runs' checkpoints")
     parser.add_argument("--budget", type=float, default=480.0,
-                        help="seconds for all the parts asked (the headline's call: 480)")
+                        help="seconds for all the parts asked (the headline's: 480)")
     parser.add_argument("--run_steps", type=int, default=None,
                         help="the default run's steps (default: the GPU config's, 5000; 4 "
                              "with --tiny)")

@@ -22,6 +22,11 @@ from gptmini.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root: where the entry scripts, README.md and configs/ are."""
+HANG_SECONDS = 900
+"""The limit of every wait in a test for a process, a server or a check: a guard against a
+hang, never a speed test. The README's test command ran 10x slower on a busy 2-core machine
+than alone, and a subprocess that imports torch took over 100 s there, so a wait that passes
+alone must pass loaded: what a test asserts is the property, not how fast it came."""
 ENC = get_tokenizer("gpt2")
 
 EOT = ENC.eot_token

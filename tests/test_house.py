@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import HANG_SECONDS
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "gptmini"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -65,6 +67,9 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = prose(REPO / "README.md")
     unlinked = [p.name for p in PAGES[1:] if f"](docs/{p.name}" not in readme]
     assert unlinked == []
+    docs = section(REPO / "README.md", "Docs")
+    twice = [p.name for p in PAGES[1:] if docs.count(f"](docs/{p.name})") > 1]
+    assert twice == [], f"the README's Docs list links {twice} more than once"
 
 
 def slug(heading: str) -> str:
@@ -126,7 +131,7 @@ def loaded_by(statement: str) -> dict[str, int]:
             "sys.modules.items() if name == 'gptmini' or name.startswith('gptmini.')]))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120, check=True)
+                          text=True, timeout=HANG_SECONDS, check=True)
     files = json.loads(done.stdout.splitlines()[-1])
     return {str(Path(f).relative_to(REPO)): len(Path(f).read_text().splitlines()) for f in files}
 

@@ -167,6 +167,19 @@ class StoppedAtOnce(BaseException):
         return 128 + self.signum
 
 
+def hand_on(signum: int, handler: Any) -> None:
+    """Do with `signum` what `handler` (the caller's, from before training) does, once a run
+    it stopped has saved and unwound: training inside another program (pytest, a notebook)
+    must not swallow that program's Ctrl-C or SIGTERM. A Python handler is called (Python's
+    own for SIGINT raises KeyboardInterrupt); the default action is restored and the signal
+    sent again (SIGTERM ends the process, as it would have); an ignored signal stays so."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
 class StopOnSignal(Callback):
     """On SIGTERM or SIGINT (Ctrl-C), stop at an optimizer step with a resumable checkpoint.
 
@@ -182,6 +195,9 @@ class StopOnSignal(Callback):
 
     Lightning's SIGTERM handling stops at the next micro-batch, without a checkpoint and
     with exit code 0, and Ctrl-C saves nothing; this replaces both while training runs.
+    What the signal does after the save is the caller's (`gptmini.train.command.fit`):
+    train.py exits with the code; a program that trains inside itself gets its signal back
+    (`hand_on`).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -46,6 +46,7 @@ from gptmini.train.callbacks import (
     StopOnSignal,
     StoppedAtOnce,
     ValidateFinalWeights,
+    hand_on,
 )
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
@@ -366,15 +367,43 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
     )
 
 
-def fit(cli: GPTCLI):
+def fit(cli: GPTCLI, *, own_signals: bool = False):
     """Train, resuming from --ckpt_path when given; refuse to write over another run.
+
+    A SIGINT (Ctrl-C) or SIGTERM stops the run at a step with a checkpoint (StopOnSignal).
+    Then, unless the process is train.py's (`own_signals`: it exits with 128 + the number),
+    the signal goes on to the handler the caller had (`hand_on`): a test runner or a
+    notebook that trains inside itself gets its KeyboardInterrupt, and a SIGTERM ends the
+    process, so a second Ctrl-C under pytest is never swallowed by the next test's run.
 
     Raises:
         RunInterrupted: a signal stopped the run after saving a resumable checkpoint.
+        StoppedAtOnce: a second signal stopped it without saving.
         RunInUse: another live train.py holds the run directory (see gptmini.train.run_lock).
     """
-    with run_lock(run_dir(cli), enabled=is_first_process()):
-        _fit(cli)
+    callers = {s: signal.getsignal(s) for s in StopOnSignal.SIGNALS}
+    try:
+        with run_lock(run_dir(cli), enabled=is_first_process()):
+            _fit(cli)
+    except (RunInterrupted, StoppedAtOnce) as stop:
+        if not own_signals:
+            hand_on(stop.signum, callers[stop.signum])
+        raise
+    except SIGTERMException:  # Lightning's, before training began
+        if not own_signals:
+            hand_on(signal.SIGTERM, callers[signal.SIGTERM])
+        raise
+    except SystemExit as ending:
+        # Lightning ends a KeyboardInterrupt (a Ctrl-C before StopOnSignal's handler is in:
+        # setup, compiling) with sys.exit(1), leaving SIGINT ignored for the rest of the
+        # process (lightning/pytorch/trainer/call.py): give the caller its Ctrl-C back.
+        interrupt = ending.__context__
+        if not isinstance(interrupt, KeyboardInterrupt):
+            raise
+        signal.signal(signal.SIGINT, callers[signal.SIGINT])
+        if own_signals:
+            raise
+        raise interrupt from None
 
 
 def _fit(cli: GPTCLI):
@@ -483,14 +512,16 @@ def check_accumulation(trainer: Trainer) -> None:
         )
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None, *, own_signals: bool = False) -> int:
     """Run training from the command line (or from `args`); returns the exit code.
 
     Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
-    to see the traceback anyway. A run stopped by a signal returns 128 + its number.
+    to see the traceback anyway. A run stopped by a signal returns 128 + its number when
+    the process is train.py's (`own_signals`); called from another program, the signal goes
+    on to that program's handler after the save (see `fit`).
     """
     try:
-        fit(build_cli(args))
+        fit(build_cli(args), own_signals=own_signals)
     except (RunInterrupted, StoppedAtOnce) as stop:
         print(f"train.py: {stop}", file=sys.stderr)
         return stop.exit_code

@@ -20,7 +20,7 @@ from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
-from gptmini.train.optim import apply_changed_settings, check_optimization, configure
+from gptmini.train.optim import apply_changed_settings, check_optimization, configure, warmup_for
 from gptmini.train.rng import every_rank_states, restore_rank_states
 from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
@@ -192,6 +192,7 @@ class GPTLitModule(L.LightningModule):
         return self.model(in_idx)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
+        self.throughput.count(self.task.tokens(batch))
         loss, metrics = self.task.loss(self.model, batch)
         for name, value in metrics.items():  # tensors: logged without waiting on the device
             self.log(f"train/{name}", value)
@@ -234,17 +235,24 @@ class GPTLitModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int):
         self.optimizer_steps.batch_started(self.trainer)
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return  # Lightning writes the logs at these same steps
+        # Throughput over the logging interval (data wait, forward, backward, optimizer),
+        # and the rate this step used. Logged here, not at the batch's end, because the
+        # callbacks' on_train_batch_end (the progress bar's) runs before the module's: the
+        # bar showed the previous interval's tokens/s.
+        for name, value in self.throughput.window(self.trainer.world_size).items():
+            self.log(f"train/{name}", value)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int):
-        self.throughput.count(self.task.tokens(batch))
         if not self.optimizer_steps.stepped(self.trainer):
             return  # inside a gradient accumulation
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return  # Lightning writes the logs at these same steps
         self.skipped_steps.raise_if_any(self.global_step)
-        # Throughput over the logging interval (data wait, forward, backward, optimizer).
-        for name, value in self.throughput.window(self.trainer.world_size).items():
-            self.log(f"train/{name}", value)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
 
     def on_validation_end(self):
         self.throughput.restart()  # validation time is not training throughput
@@ -269,7 +277,7 @@ class GPTLitModule(L.LightningModule):
         check_same_model(checkpoint, self.cfg)
         total = self._total_steps()
         apply_changed_settings(checkpoint, self.hparams, total_steps=total,
-                               warmup_steps=min(self.hparams.warmup_steps, total),
+                               warmup_steps=warmup_for(self.hparams.warmup_steps, total),
                                announce=self.trainer is not None and self.trainer.is_global_zero)
         self._rng_to_restore = checkpoint.get("rng_states")
 
@@ -278,7 +286,7 @@ class GPTLitModule(L.LightningModule):
     def configure_optimizers(self):
         name = self.weights.optimizer(self.hparams.optimizer, say=self._say)
         return configure(self.model, self.hparams, name=name, device=self.device,
-                         total_steps=self._total_steps())
+                         total_steps=self._total_steps(), say=self._say)
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:

@@ -7,8 +7,7 @@ model's shape is not one of those, and a resume may not change it.
 """
 
 import math
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -20,7 +19,8 @@ __all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIEL
            "SETTINGS", "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings",
            "check_muon_settings", "check_optimization", "check_optimizer", "check_settings",
            "configure", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
-           "orthogonalize", "sharded_orthogonalize", "skips_on_device", "warmup_cosine"]
+           "orthogonalize", "sharded_orthogonalize", "skips_on_device", "warmup_cosine",
+           "warmup_for"]
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
@@ -443,10 +443,11 @@ def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
 
 
 def configure(model: nn.Module, settings, *, name: str, device: torch.device,
-              total_steps: int) -> dict:
+              total_steps: int, say: Callable[[str], None] = print) -> dict:
     """The optimizer `name` and its warmup-cosine schedule, as Lightning's
     `configure_optimizers` returns them, from a module's hyperparameters (`settings`: the
-    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio)."""
+    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio).
+    A warm-up cut to half the run (`warmup_for`) is said through `say`, naming the flags."""
     optimizer = make_optimizer(model, name, learning_rate=settings.learning_rate,
                                muon_learning_rate=settings.muon_learning_rate,
                                weight_decay=settings.weight_decay,
@@ -454,11 +455,25 @@ def configure(model: nn.Module, settings, *, name: str, device: torch.device,
                                muon_ns_steps=settings.get("muon_ns_steps", 5),
                                muon_ns_coefficients=settings.get("muon_ns_coefficients",
                                                                  "jordan"))
-    schedule = warmup_cosine(optimizer, warmup_steps=min(settings.warmup_steps, total_steps),
-                             total_steps=total_steps, min_ratio=settings.min_lr_ratio,
-                             asked_warmup=settings.warmup_steps)
+    warmup = warmup_for(settings.warmup_steps, total_steps)
+    if warmup < settings.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
+        say(f"--model.warmup_steps {settings.warmup_steps} is more than half of this run's "
+            f"{total_steps} optimizer steps (--trainer.max_steps or --trainer.max_epochs): "
+            f"warming up over {warmup} and decaying over the other {total_steps - warmup}, so "
+            f"the run still ends at the low rate; give --model.warmup_steps {warmup} or "
+            "less to choose yourself")
+    schedule = warmup_cosine(optimizer, warmup_steps=warmup, total_steps=total_steps,
+                             min_ratio=settings.min_lr_ratio)
     return {"optimizer": optimizer,
             "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
+
+
+def warmup_for(asked: int, total_steps: int) -> int:
+    """The warm-up a run of `total_steps` optimizer steps gets: the `asked` one, at most half
+    the run. A run shorter than its warm-up (train.py's `--trainer.max_steps 100` under the
+    default's 100 warm-up steps) would otherwise end at the peak rate without decaying; every
+    shipped recipe asks for well under half, so it keeps its own. Resume computes the same."""
+    return min(asked, total_steps // 2)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -470,16 +485,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                  min_ratio: float, asked_warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """`lr_factor` as a scheduler stepped once per optimizer step; warns when the run is
-    shorter than the warmup it asked for (`asked_warmup`). Every param group follows it
-    from its own base rate (Muon's and AdamW's)."""
-    if warmup_steps < asked_warmup:  # a short trial run (fast_dev_run, a few max_steps)
-        warnings.warn(
-            f"model.warmup_steps={asked_warmup} is longer than the run ({total_steps} "
-            f"optimizer steps); warming up over all {total_steps} instead",
-            stacklevel=3,
-        )
+                  min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_factor` as a scheduler stepped once per optimizer step. Every param group follows
+    it from its own base rate (Muon's and AdamW's)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, min_ratio))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HANG_SECONDS
 
 from gptmini.attention import KVCache, MultiHeadAttention, kernels
 from gptmini.model import GPTConfig, GPTModel
@@ -80,7 +81,8 @@ def test_the_conformance_kit_passes_a_kernel_class(readme_kernel):
 
     spec = AttentionSpec(padding="attention_mask", padding_marks="real", window=4,
                          kv_step=kv_step)
-    report = check_attention(functools.partial(MultiHeadAttention, backend=readme_kernel), spec)
+    report = check_attention(functools.partial(MultiHeadAttention, backend=readme_kernel), spec,
+                             time_budget=None)
     assert report.passed, str(report)
 
 
@@ -125,7 +127,7 @@ def test_which_names_are_valid_does_not_depend_on_what_was_imported_first(tmp_pa
 
     def answers(first: str) -> dict:
         done = subprocess.run([sys.executable, "-c", first + ask], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.splitlines()[-1])
 

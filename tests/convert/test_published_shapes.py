@@ -146,7 +146,7 @@ def test_its_attention_layer_passes_the_conformance_kit(published):
     spec = AttentionSpec(d_in=64, num_heads=cfg.n_heads, padding="attention_mask",
                          positions="positions", kv_step=kv_step,
                          window=None if window is None else 5)
-    report = check_attention(layer, spec)
+    report = check_attention(layer, spec, time_budget=None)  # a loaded machine: no budget
     assert report.passed, str(report)
     ran = {r.name for r in report.results if r.status == "passed"}
     assert {"causality", "padding", "kv_cache", "relative_positions"} <= ran

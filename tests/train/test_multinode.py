@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, tiny_args
+from helpers import HANG_SECONDS, REPO, tiny_args
 
 sys.path.insert(0, str(REPO / "bench"))
 import fsdp_parity  # noqa: E402  (bench/, as tests/test_gpu_proof.py reads gpu_proof)
@@ -36,7 +36,7 @@ NODE = textwrap.dedent("""
             cli.trainer.callbacks.insert(0, SignalOnThisNode())
             return cli
         training.build_cli = build_cli
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], own_signals=True))  # as train.py
 """)
 
 
@@ -65,7 +65,7 @@ def test_two_nodes_train_stop_together_on_sigterm_to_one_and_resume_exactly(tmp_
                                   env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
-            return [(node.wait(timeout=300), node.communicate()[1]) for node in nodes]
+            return [(node.wait(timeout=HANG_SECONDS), node.communicate()[1]) for node in nodes]
         finally:
             for node in nodes:
                 node.kill()

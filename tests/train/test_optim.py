@@ -75,8 +75,7 @@ def test_one_optimizer_steps_as_torchs_muon_and_adamw_stepped_apart():
     model, batches = model_and_batches()
     twin = copy.deepcopy(model)
     ours = muon_adamw(model, **RATES, device=CPU)
-    schedule = warmup_cosine(ours, warmup_steps=2, total_steps=4, min_ratio=0.1,
-                             asked_warmup=2)
+    schedule = warmup_cosine(ours, warmup_steps=2, total_steps=4, min_ratio=0.1)
     hidden = [p for p in twin.trf_blocks.parameters() if p.dim() == 2]
     rest = [p for p in twin.parameters() if all(p is not h for h in hidden)]
     muon = torch.optim.Muon(hidden, lr=RATES["muon_learning_rate"], weight_decay=0.1,
@@ -179,8 +178,7 @@ def test_a_skipped_step_leaves_every_optimizer_state_as_it_was():
 def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
     model, batches = model_and_batches()
     optimizer = muon_adamw(model, **RATES, device=CPU)
-    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1,
-                             asked_warmup=2)
+    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1)
     for batch in batches[:3]:
         backward(model, batch), optimizer.step(), schedule.step()
     checkpoint = {"hyper_parameters": {"optimizer": "muon", "muon_learning_rate": 5e-3,
@@ -299,8 +297,7 @@ def test_bad_newton_schulz_settings_name_the_field(steps, coefficients, message)
 def test_changed_newton_schulz_settings_apply_on_resume():
     model, batches = model_and_batches()
     optimizer = muon_adamw(model, **RATES, device=CPU)
-    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1,
-                             asked_warmup=2)
+    schedule = warmup_cosine(optimizer, warmup_steps=2, total_steps=10, min_ratio=0.1)
     backward(model, batches[0]), optimizer.step(), schedule.step()
     checkpoint = {"hyper_parameters": {"optimizer": "muon", "muon_ns_steps": 5,
                                        "muon_ns_coefficients": "jordan"},
