@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from gptmini.chat import template_for
+from gptmini.chat import ChatTemplateError, template_for
 from gptmini.checkpoint import load_on_device
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
@@ -98,7 +98,10 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # ChatDataError included
         parser.error(str(err))
     if args.chat:
-        return chat_main(session)
+        try:
+            return chat_main(session)
+        except ChatTemplateError as err:
+            parser.exit(1, f"generate.py: error: {err}\n")
 
     generator = None
     if args.seed is not None:

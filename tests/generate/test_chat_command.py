@@ -92,3 +92,21 @@ def test_chat_flags_are_checked(checkpoint, capsys, argv, message):
     with pytest.raises(SystemExit):
         generate_main(["--checkpoint", str(checkpoint), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_a_template_that_fails_by_itself_ends_the_chat_naming_it(checkpoint, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Every message would fail the same way: one line naming the template, exit 1 (before,
+    a raw ZeroDivisionError)."""
+    saved = torch.load(checkpoint, weights_only=False)
+    saved["chat_template"] = {**GPTMINI.to_dict(), "name": "divides",
+                              "source": "{{ messages | length / 0 }}"}
+    broken = tmp_path / "broken.ckpt"
+    torch.save(saved, broken)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nAgain\n"))
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--checkpoint", str(broken), "--chat"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "chat template 'divides' failed while rendering it (ZeroDivisionError" in err
+    assert "Traceback" not in err
