@@ -199,12 +199,21 @@ def tokenizer_from_dict(data: dict, where: str = "tokenizer") -> tiktoken.Encodi
 
 
 def save_tokenizer(enc: tiktoken.Encoding, path: str | os.PathLike) -> Path:
-    """Write `enc` to `path` as JSON, atomically (a reader never sees half a file)."""
+    """Write `enc` to `path` as JSON, atomically (a reader never sees half a file).
+
+    Raises:
+        OSError: the file could not be written (a full disk), naming it.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(tokenizer_to_dict(enc)))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(tokenizer_to_dict(enc)))
+        os.replace(tmp, path)
+    except OSError as err:  # a full or read-only disk: name the file (the OS error does not)
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"could not write the tokenizer {path} ({err.strerror or err})"
+                      "; free space or fix the disk, then run again") from err
     return path
 
 
