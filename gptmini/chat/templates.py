@@ -247,8 +247,9 @@ def load_template(name: str, tokenizer: tiktoken.Encoding) -> ChatTemplate:
                              "tokenizer_config.json (nor chat_template.jinja)")
         return template
     if path.suffix == ".json" and path.is_file():
+        data = _json_object(path, "a chat template")  # (its errors name the file)
         try:
-            return ChatTemplate.from_dict(_json_object(path, "a chat template"))
+            return ChatTemplate.from_dict(data)
         except ValueError as err:
             raise ValueError(f"chat template {name}: {err}") from None
     raise ValueError(f"chat template {name!r}: use auto, gptmini, book, a Hugging Face "
