@@ -27,7 +27,6 @@ from functools import cache
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 ASSETS = Path(__file__).parent / "assets"
 GPT2_VOCAB = ASSETS / "gpt2.tiktoken"
@@ -107,13 +106,18 @@ def gpt2_tokenizer(vocab: Path = GPT2_VOCAB) -> tiktoken.Encoding:
             f"the GPT-2 vocabulary {vocab} is missing; reinstall gptmini "
             "(pip install -e .) so its assets are in place"
         )
-    digest = hashlib.sha256(vocab.read_bytes()).hexdigest()
+    contents = vocab.read_bytes()
+    digest = hashlib.sha256(contents).hexdigest()
     if digest != GPT2_SHA256:
         raise RuntimeError(
             f"the GPT-2 vocabulary {vocab} is altered (sha256 {digest}, expected "
             f"{GPT2_SHA256}); restore it from the gptmini repository"
         )
-    return _encoding("gpt2", load_tiktoken_bpe(str(vocab)))
+    # Parsed here, as tiktoken's load_tiktoken_bpe parses it, which would also write a copy
+    # to tiktoken's cache (a needless write that fails on a full disk, naming no file).
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in contents.splitlines() if line)}
+    return _encoding("gpt2", ranks)
 
 
 def _encoding(name: str, ranks: dict[bytes, int], pattern: str = GPT2_PATTERN
