@@ -98,10 +98,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # ChatDataError included
         parser.error(str(err))
     if args.chat:
-        try:
-            return chat_main(session)
-        except ChatTemplateError as err:
-            parser.exit(1, f"generate.py: error: {err}\n")
+        return chat_main(session)
 
     generator = None
     if args.seed is not None:
@@ -158,4 +155,8 @@ def chat_main(session: ChatSession) -> int:
             "gptmini": " (gptmini's own)"}.get(name, "")
     print(f"chat template {name!r}{note}; /reset starts over, /exit or Ctrl-D ends",
           file=sys.stderr, flush=True)
-    return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    try:
+        return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    except ChatTemplateError as err:  # every message would fail alike: end, naming it
+        print(f"generate.py: error: {err}", file=sys.stderr, flush=True)
+        return 1
