@@ -13,7 +13,7 @@ from robustness_cases.lab import Lab
 from robustness_cases.serve import TINY_CHECKPOINT, Server, post
 
 CHAT = ("--model.tokenizer", "gpt2", "--model.context_length", "64", "--model.compile", "false",
-        "--trainer.max_steps", "2")
+        "--trainer.max_steps", "2", "--data.loader.batch_size", "1")
 TURN = [{"role": "user", "content": "Who speaks?"}, {"role": "assistant", "content": "Romeo."}]
 TWO_TURNS = [*TURN, {"role": "user", "content": "And then?"},
              {"role": "assistant", "content": "Juliet."}]
@@ -120,7 +120,7 @@ CASES = {
         said="line 20: messages[1] (assistant) holds '<|end|>'"),
     "serve: an assistant message with tool_calls": served_tool_calls,
     "a pretty-printed JSON record as chat records": chat_run(
-        [], "--data.chat.val_records", "{d}/records.json", "--data.loader.batch_size", "1",
+        [], "--data.chat.val_records", "{d}/records.json",
         records_text=json.dumps({"messages": TURN}, indent=2), said="1 training examples",
         refused=False),
     "a JSON object wrapping the records": chat_run(

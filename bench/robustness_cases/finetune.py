@@ -9,6 +9,7 @@ as it was."""
 
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 from robustness_cases.lab import Lab, last_line, outcome
@@ -75,9 +76,9 @@ def lora_resume(*changed: str, said: str):
         before = digest(last)
         proc = lab.run("train.py", *args, "--trainer.max_steps", "4", *changed, "--ckpt_path",
                        "last", cwd=where)
-        if digest(last) != before:
-            return "data lost", f"last.ckpt changed: {last_line(proc)}"
-        return judged(proc, said)
+        if proc.returncode and digest(last) != before:
+            return "data lost", f"refused, and last.ckpt changed: {last_line(proc)}"
+        return judged(proc, said)  # (trained on: silent)
 
     return case
 
@@ -94,7 +95,8 @@ def relative_base(lab: Lab):
     elsewhere = lab.folder()
     proc = lab.run("generate.py", "--checkpoint", str(where / "runs/r/checkpoints/last.ckpt"),
                    "--max_new_tokens", "3", cwd=elsewhere, timeout=120)
-    return outcome(proc), last_line(proc)
+    result = outcome(proc)  # the base never moved: a refusal sends the user the wrong way
+    return ("silent" if result == "clear error" else result), last_line(proc)
 
 
 def labelled(rows: list[dict], val_rows: list[dict] | None = None, *extra: str, said: str,
@@ -135,7 +137,10 @@ def classifier_command(script: str, *flags: str, said: str):
             flags_ = ["--data", str(where / "t.jsonl"), "--label_field", "label"]
         else:
             flags_ = list(flags)
-        proc = lab.run(script, "--checkpoint", str(path), *flags_, cwd=where, timeout=120)
+        try:
+            proc = lab.run(script, "--checkpoint", str(path), *flags_, cwd=where, timeout=90)
+        except subprocess.TimeoutExpired:  # serve.py started serving it
+            return "silent", "serve.py served a classifier (no refusal in 90 s)"
         if script == "evaluate.py" and "--model.classes" in proc.stderr:
             return "silent", f"a train.py flag offered: {last_line(proc)}"
         return judged(proc, said)
