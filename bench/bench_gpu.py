@@ -207,11 +207,13 @@ def training_figures(shape: dict, device: torch.device, *, batch: int = 16, step
 
 
 def decoding_figures(shape: dict, device: torch.device, *, batches=(1, 64),
-                     new_tokens: int = 128, deadline: float = float("inf")) -> dict:
+                     new_tokens: int = 128, deadline: float = float("inf"),
+                     modes: tuple[bool, ...] = (False, True)) -> dict:
     """New tokens/s of greedy KV-cache decoding at each batch, eager, then compiled on a GPU
-    (skipped once past `deadline`, a time.monotonic() value)."""
+    (`modes`: compiled or not, in order; each skipped once past `deadline`, a
+    time.monotonic() value)."""
     figures = {"new_tokens": new_tokens, "dtype": "bfloat16"}
-    for compiled in (False, True) if device.type == "cuda" else (False,):
+    for compiled in modes if device.type == "cuda" else (False,):
         if time.monotonic() > deadline:
             break
         label = "compiled" if compiled else "eager"

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import HANG_SECONDS, REPO
 
-ITEMS = {"parity": 1, "gpu_tests": 1, "fsdp": 1, "training": 2, "decoding": 2,
-         "default_run": 3, "engine": 3}
+ITEMS = {"parity": 1, "training": 1, "decoding": 1, "fsdp": 1, "gpu_tests": 1,
+         "micro_batches": 2, "decoding_compiled": 2, "default_run": 3, "engine": 3}
 
 
 @pytest.fixture
@@ -33,9 +33,9 @@ def test_every_part_runs_on_a_cpu_without_datasets_or_wandb(tmp_path):
            "OMP_NUM_THREADS": "1", "GPTMINI_CACHE": str(tmp_path / "cache")}  # as on a new machine
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/gpu_proof.py", "--device", "cpu", "--tiny", "--out", str(out),
-         "--runs", str(tmp_path / "runs")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [sys.executable, "bench/gpu_proof.py", "--device", "cpu", "--tiny", "--part", "1", "2",
+         "3", "--out", str(out), "--runs", str(tmp_path / "runs")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((out / "gpu_proof.json").read_text())
     items = figures["items"]
@@ -47,15 +47,21 @@ def test_every_part_runs_on_a_cpu_without_datasets_or_wandb(tmp_path):
     assert tests["skipped"] == tests["tests"] and tests["failed"] == []
     assert {(c["dtype"], c["passed"]) for c in items["parity"]["cases"]} == {
         ("float32", True), ("bfloat16", True)}
-    assert items["fsdp"]["status"] == "refused"  # Lightning: FSDP needs a GPU
+    sharded = items["fsdp"]  # FSDP2 runs on a CPU too (gloo)
+    assert sharded["status"] == "ok" and sharded["steps"] == 4
+    assert sharded["checkpoint"] == "directory" and sharded["consolidated_equal"]
 
     train = items["training"]
     for path in ("plain", "lightning"):  # MFU = FLOPs per token x tokens/s / peak
         rate = train[f"{path}_tokens_per_s"]
         assert train[f"{path}_mfu"] == pytest.approx(
             train["flops_per_token"] * rate / train["peak_bf16_flops"])
-    assert train["largest_micro_batch"] == 8
-    assert list(train["tokens_per_s_by_micro_batch"]) == ["4", "8"]
+    batches = items["micro_batches"]
+    assert batches["largest_micro_batch"] == 8
+    assert list(batches["tokens_per_s_by_micro_batch"]) == ["4", "8"]
+    assert batches["mfu_by_micro_batch"]["8"] == pytest.approx(
+        batches["flops_per_token"] * batches["tokens_per_s_by_micro_batch"]["8"]
+        / batches["peak_bf16_flops"])
 
     run = items["default_run"]
     assert run["status"] == "ok" and run["steps"] == run["steps_asked"] == 4
@@ -70,11 +76,19 @@ def test_every_part_runs_on_a_cpu_without_datasets_or_wandb(tmp_path):
 
 
 def test_a_spent_budget_writes_every_item_out_of_time(gpu_proof, tmp_path):
-    assert gpu_proof.main(["--device", "cpu", "--tiny", "--budget", "0", "--out",
-                           str(tmp_path)]) == 0
+    assert gpu_proof.main(["--device", "cpu", "--tiny", "--budget", "0", "--part", "1", "2",
+                           "3", "--out", str(tmp_path)]) == 0
     figures = json.loads((tmp_path / "gpu_proof.json").read_text())
     assert {k: v["status"] for k, v in figures["items"].items()} == dict.fromkeys(
         ITEMS, "out of time")
+
+
+def test_the_headline_is_part_1_alone_by_default(gpu_proof, tmp_path):
+    assert gpu_proof.main(["--device", "cpu", "--tiny", "--budget", "0", "--out",
+                           str(tmp_path)]) == 0
+    figures = json.loads((tmp_path / "gpu_proof.json").read_text())
+    assert figures["parts"] == [1]
+    assert list(figures["items"]) == [k for k, p in ITEMS.items() if p == 1]
 
 
 def test_the_parts_of_several_calls_merge_into_one_file(gpu_proof, tmp_path):

@@ -13,11 +13,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gptmini"
 
 LAYERS = [
     "attention",   # the book's module, context, masks, positions, kernels
-    "model",       # GPTConfig, blocks, GPTModel, FLOP counts
+    "model",       # GPTConfig, the mixer and feed-forward tables, blocks, GPTModel, FLOPs
+    "variants",    # beyond the book, by family: MLA, Gated DeltaNet (named by the tables)
     "tokenizer",
     "threads",
     "runtime",     # the machine: device, precision, peak FLOP/s
-    "finetune",    # chat templates, loss masks, LoRA, the class head
+    "chat",        # chat templates, rendering, the assistant's mask, chat records
+    "finetune",    # LoRA, the class head, vocabulary growth
     "convert",     # Hugging Face layouts <-> GPTModel
     "checkpoint",  # the format; a path to a model and tokenizer
     "data",
@@ -29,7 +31,7 @@ LAYERS = [
 ]
 """Lowest first: a package may import the packages before it, never one after it."""
 
-ONLY_TORCH = ("attention", "model")
+ONLY_TORCH = ("attention", "model", "variants")
 
 
 def module_name(path: Path) -> str:

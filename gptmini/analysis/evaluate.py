@@ -40,6 +40,7 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.chat import ChatTemplate, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
 from gptmini.data.chat import read_records as read_chat_records
@@ -47,7 +48,6 @@ from gptmini.data.chat import render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits
-from gptmini.finetune.chat import ChatTemplate, template_for
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -150,7 +150,7 @@ def score_responses(model: nn.Module, tokenizer: Encoding, template: ChatTemplat
                     records: list[tuple[str, object]], *, batch_size: int = 8
                     ) -> ResponseScore:
     """Loss and bits per byte of the assistant's tokens alone over `records` (pairs of
-    where and record, as `gptmini.data.chat.read_records` gives them)."""
+    where and record, as `gptmini.chat.read_records` gives them)."""
     device = next(model.parameters()).device
     length = model.cfg.context_length
     examples, skipped = render_records(records, tokenizer, template, length, "drop")
@@ -339,7 +339,8 @@ def read_choices(source: str, split: str = "validation",
 
 
 TRAIN_FLAGS = {"--data.corpus.encoding_errors": "--encoding_errors",
-               "--data.corpus.text_field": "--text_field"}
+               "--data.corpus.text_field": "--text_field",
+               "--data.labels.label_field": "--label_field"}
 """train.py's flags that the data package's messages advise, and evaluate.py's own for them."""
 
 
@@ -404,23 +405,35 @@ class ClassScore:
     confusion: list[list[int]]
     """confusion[i][j]: examples of true class i predicted as j."""
     classes: list[str]
+    cut: int = 0
+    """Texts longer than the context, classified from their start (as in training)."""
 
     def table(self) -> str:
-        """The confusion table as text: a row per true class, a column per predicted one."""
-        width = max(8, *(len(c) + 2 for c in self.classes))
-        lines = ["true \\ predicted".ljust(width) + "".join(c.rjust(width) for c in self.classes)]
+        """The confusion table as text: a row per true class, a column per predicted one,
+        each count right-aligned under its class (the first column as wide as its header or
+        the longest class name, so the counts never slide off their headers)."""
+        corner = "true \\ predicted"
+        first = max(len(corner), *(len(c) for c in self.classes))
+        width = 2 + max(6, *(len(c) for c in self.classes),
+                        *(len(str(n)) for row in self.confusion for n in row))
+        lines = [corner.ljust(first) + "".join(c.rjust(width) for c in self.classes)]
         for name, row in zip(self.classes, self.confusion, strict=True):
-            lines.append(name.ljust(width) + "".join(str(n).rjust(width) for n in row))
+            lines.append(name.ljust(first) + "".join(str(n).rjust(width) for n in row))
         return "\n".join(lines)
 
 
 @torch.inference_mode()
 def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords,
-                  classes: list[str], *, batch_size: int = 8) -> ClassScore:
+                  classes: list[str], *, batch_size: int = 8,
+                  where: str = "the evaluated records") -> ClassScore:
     """A classifier's accuracy and confusion table on labelled records, each read as in
-    training: its first context_length tokens, right-padded, the class at its last token."""
-    data = LabeledDataset(records, tokenizer, classes, model.cfg.context_length,
-                          "the evaluated records")
+    training: its first context_length tokens, right-padded, the class at its last token.
+
+    Raises:
+        ValueError: a label the classifier was not trained on (naming `where`)."""
+    data = LabeledDataset(records, tokenizer, classes, model.cfg.context_length, where,
+                          fix="the classifier was trained on these classes alone: score "
+                              "records of them (drop or relabel the others)")
     device = next(model.parameters()).device
     predicted, labels = [], []
     for start in range(0, len(data), batch_size):
@@ -431,7 +444,7 @@ def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords
         labels.append(label)
     accuracy, confusion = accuracy_and_confusion(torch.cat(predicted), torch.cat(labels),
                                                  len(classes))
-    return ClassScore(accuracy, confusion.tolist(), list(classes))
+    return ClassScore(accuracy, confusion.tolist(), list(classes), data.cut)
 
 
 def labelled_records(path: str | None, hparams: dict, text_field: str,
@@ -502,9 +515,11 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             records, name = labelled_records(args.data, run_data_settings(args.checkpoint),
                                              args.text_field, args.label_field)
             scored = score_classes(model, tokenizer, records, loaded_hparams["classes"],
-                                   batch_size=args.batch_size)
-            return say(f"{name}: {len(records):,} examples\naccuracy {scored.accuracy:.4f}\n"
-                       f"{scored.table()}")
+                                   batch_size=args.batch_size, where=name)
+            cut = (f" ({scored.cut:,} longer than the context of {model.cfg.context_length} "
+                   "tokens, classified from their start as in training)" if scored.cut else "")
+            return say(f"{name}: {len(records):,} examples{cut}\naccuracy "
+                       f"{scored.accuracy:.4f}\n{scored.table()}")
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))

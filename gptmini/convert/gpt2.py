@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gptmini.convert.weights import (
+    Layout,
     config_integer,
     config_number,
     model_from_weights,
@@ -25,7 +26,8 @@ from gptmini.convert.weights import (
 )
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["TABLE", "config_from_hf", "config_to_hf", "from_hf_state_dict", "to_hf_state_dict"]
+__all__ = ["LAYOUTS", "TABLE", "config_from_hf", "config_to_hf", "from_hf_state_dict",
+           "to_hf_state_dict"]
 
 # (gptmini name, Hugging Face name, Conv1D weight to transpose, third of c_attn or None).
 # Names under trf_blocks.{i} / h.{i} repeat for every layer.
@@ -126,9 +128,13 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         unsupported.append(f"layer_windows={cfg.layer_windows} (sliding-window attention)")
     book = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "qk_norm": False,
             "bias": True, "attn_softcap": None, "norm_eps": 1e-5, "attn_sinks": False,
-            "attn_gate": "none", "layer_kinds": None, "mla_kv_lora_rank": None}
+            "attn_gate": "none", "layer_kinds": None, "mla_kv_lora_rank": None,
+            "attn_scale_dim": None, "post_norms": False, "scale_embeddings": False,
+            "logit_softcap": None}
     unsupported += [f"{field}={getattr(cfg, field)!r}" for field, value in book.items()
                     if getattr(cfg, field) != value]
+    if cfg.head_size * cfg.n_heads != cfg.emb_dim:
+        unsupported.append(f"head_dim={cfg.head_dim} (heads of their own size)")
     if cfg.hidden_dim != 4 * cfg.emb_dim:
         unsupported.append(f"mlp_hidden_dim={cfg.mlp_hidden_dim}")
     if unsupported:
@@ -220,3 +226,8 @@ def to_hf_state_dict(model: GPTModel) -> dict[str, Tensor]:
     for key, (q, k, v) in parts.items():
         out[key] = torch.cat([q, k, v], dim=-1).contiguous()
     return out
+
+
+LAYOUTS = {"gpt2": Layout("GPT-2", "GPT2", config_from_hf, from_hf_state_dict, config_to_hf,
+                          to_hf_state_dict)}
+"""The model_type this module reads and writes (gptmini.convert.weights.Layout)."""

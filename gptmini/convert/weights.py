@@ -2,15 +2,37 @@
 checks a config.json's fields and a state dict's tensors pass before they are used."""
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel
 
-__all__ = ["check_finite", "check_float_weights", "config_integer", "config_number",
-           "model_from_weights", "quantization_problem"]
+__all__ = ["Layout", "check_finite", "check_float_weights", "checked_config", "config_integer",
+           "config_number", "model_from_weights", "quantization_problem"]
+
+
+class Layout(NamedTuple):
+    """One Hugging Face `model_type` as gptmini reads and writes it: each layout's module
+    (gpt2.py, llama.py, deepseek.py) lists its own in a LAYOUTS dict by model_type, which
+    gptmini.convert.hub gathers, so a new layout, or a new model_type of one, is a row in
+    its own module."""
+
+    title: str
+    """How messages name it ("Qwen3")."""
+    architecture: str
+    """The start of its `architectures` class names ("Qwen3": Qwen3ForCausalLM), for a
+    config.json without model_type."""
+    config_from: Callable
+    """config.json dict -> GPTConfig."""
+    model_from: Callable
+    """(state dict, config.json dict) -> GPTModel."""
+    config_to: Callable
+    """GPTConfig -> config.json dict (raising for what the layout cannot hold)."""
+    state_to: Callable
+    """GPTModel -> its state dict under the layout's names."""
 
 
 def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list[str],
@@ -34,6 +56,19 @@ def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list
     except RuntimeError as err:
         raise ValueError(f"the {layout} weights do not fit its config ({cfg}):\n{err}") from err
     return model.eval()
+
+
+def checked_config(layout: str, **fields) -> GPTConfig:
+    """`GPTConfig(**fields)` for a `layout` config.json, a field it refuses (a rope scaling
+    setting out of range, a head size of the wrong parity) named as that config's problem.
+
+    Raises:
+        ValueError: naming the layout and the GPTConfig field.
+    """
+    try:
+        return GPTConfig(**fields)
+    except ConfigError as err:
+        raise ValueError(f"this {layout} config cannot be loaded into GPTModel: {err}") from None
 
 
 def check_float_weights(weights: Mapping[str, Tensor], where: str) -> None:

@@ -1,6 +1,7 @@
-"""Fine-tuning a pretrained GPT: chat templates and the assistant's loss mask (chat.py), LoRA
-adapters (lora.py) and a class head read at each sequence's last real token (classify.py).
-Imports only torch, the model and the tokenizer."""
+"""Fine-tuning a pretrained GPT: LoRA adapters (lora.py), a class head read at each
+sequence's last real token (classify.py), and room in the vocabulary for a chat template's
+tokens (vocab.py). Imports only torch and the model; the chat format itself (templates, the
+assistant's loss mask) is `gptmini.chat`."""
 
 from gptmini.finetune.classify import (
     accuracy_and_confusion,
@@ -15,10 +16,12 @@ from gptmini.finetune.lora import (
     adapter_state,
     add_lora,
     base_fingerprint,
+    check_targets,
     count_parameters,
     lora_layers,
     merge_lora,
 )
+from gptmini.finetune.vocab import grow_vocab
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -29,8 +32,10 @@ __all__ = [
     "add_class_head",
     "add_lora",
     "base_fingerprint",
+    "check_targets",
     "class_logits",
     "count_parameters",
+    "grow_vocab",
     "last_real_token",
     "lora_layers",
     "merge_lora",

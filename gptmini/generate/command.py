@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from gptmini.chat import ChatTemplateError, template_for
 from gptmini.checkpoint import load_on_device
-from gptmini.finetune.chat import template_for
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.engine import Engine
@@ -84,16 +84,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--seed {args.seed} is out of range: use an integer of 64 bits, "
                              f"from {SEED_RANGE[0]} to {SEED_RANGE[1] - 2**32 - 1}")
         device = resolve_device(args.device)
-        if args.prompt_file is not None:
-            if not args.prompt_file.is_file():
-                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
-            try:
-                prompt = args.prompt_file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
-                                 f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
-        else:
-            prompt = args.prompt
+        prompt = read_prompt(args)
         if args.system is not None and not args.chat:
             raise ValueError("--system is the system prompt of --chat; add --chat")
         model, tokenizer, hparams = load_on_device(args.checkpoint or args.hf, device,
@@ -107,7 +98,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # ChatDataError included
         parser.error(str(err))
     if args.chat:
-        return chat_main(session)
+        return chat_main(session, carried=bool((hparams or {}).get("chat_template")))
 
     generator = None
     if args.seed is not None:
@@ -137,14 +128,44 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def chat_main(session: ChatSession) -> int:
+def read_prompt(args) -> str:
+    """--prompt, or the text of --prompt_file.
+
+    Raises:
+        ValueError: the file is missing or not UTF-8, naming it and the fix.
+    """
+    if args.prompt_file is None:
+        return args.prompt
+    if not args.prompt_file.is_file():
+        raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
+    try:
+        return args.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
+                         f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
+
+
+def chat_main(session: ChatSession, *, carried: bool) -> int:
     """`generate.py --chat`: converse over stdin. What the template is goes to stderr, so
-    that stdout holds the replies alone (one line each) when stdin is piped."""
+    that stdout holds the replies alone (one line each) when stdin is piped. `carried`: the
+    checkpoint carries its template (a chat fine-tune's), whatever its name."""
     interactive = sys.stdin.isatty()
     name = session.template.name
-    note = {"book": " (the book's instruction prompt: this checkpoint has no chat template "
-                    "of its own; a model never tuned on it will just continue the text)",
-            "gptmini": " (gptmini's own)"}.get(name, "")
-    print(f"chat template {name!r}{note}; /reset starts over, /exit or Ctrl-D ends",
-          file=sys.stderr, flush=True)
-    return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    print(f"chat template {name!r}{template_note(name, carried)}; /reset starts over, "
+          "/exit or Ctrl-D ends", file=sys.stderr, flush=True)
+    try:
+        return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    except ChatTemplateError as err:  # every message would fail alike: end, naming it
+        print(f"generate.py: error: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+def template_note(name: str, carried: bool) -> str:
+    """Where the chat template came from, decided by what the checkpoint carries, not by the
+    template's name: a fine-tune on the book's records carries "book" and was tuned on it."""
+    if carried:
+        return " (the one this checkpoint was fine-tuned with)"
+    if name == "book":
+        return (" (the book's instruction prompt: this checkpoint has no chat template of its "
+                "own; a model never tuned on it will just continue the text)")
+    return " (gptmini's own)" if name == "gptmini" else ""

@@ -1,4 +1,4 @@
-"""How the training model is compiled, and why a compiled run repeats to the bit.
+"""Why a compiled training run repeats to the bit, and the switch that makes it so.
 
 On a CPU, torch.compile (inductor) lowers the token embedding's backward, a scatter-add of
 every position's gradient into the row of its token, to a parallel loop of atomic adds
@@ -13,34 +13,17 @@ torch's switch is `torch.use_deterministic_algorithms`: inductor reads it when i
 graph and then calls aten's `index_put_` for such scatter-adds, whose CPU kernel adds in
 order (pytorch/pytorch#93537). It must hold while the backward is lowered too, which
 happens lazily at the first `backward()`, and dynamo guards on it (a change recompiles), so
-`deterministic_kernels` holds it for the whole of `fit`. What it cost, measured: see
-docs/recipes.md ("Exact runs, compiled").
+`deterministic_kernels` holds it for the whole of `fit` (the model is compiled in
+`GPTLitModule.configure_model`; under fsdp2 each block, in `shard_model`). What it cost,
+measured: docs/training.md ("Exact resume").
 """
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
-from gptmini.runtime import compile_blocker
-
-__all__ = ["compile_for_training", "deterministic_kernels"]
-
-
-def compile_for_training(model: nn.Module, device: torch.device | str) -> bool:
-    """Compile `model` in place (its parameter names, so checkpoints, do not change) for
-    training on `device`. Where no kernels can be built (no C++ compiler on a CPU, an Apple
-    GPU) it warns and leaves the model eager, so a newcomer's laptop still trains the default
-    run. Returns whether it compiled."""
-    blocker = compile_blocker(device)
-    if blocker is not None:
-        warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
-                      stacklevel=3)
-        return False
-    model.compile()
-    return True
+__all__ = ["deterministic_kernels"]
 
 
 @contextmanager

@@ -67,7 +67,8 @@ class RunReport(Callback):
             run_name=self.run_dir.name, steps=trainer.global_step, first_step=self._first_step,
             seconds=self._seconds, tokens=self._tokens, metrics=metrics,
             val_batches=trainer.limit_val_batches, checkpoints=self.run_dir / "checkpoints",
-            curves=curves, prompt=self.prompt)
+            curves=curves, prompt=self.prompt,
+            generates_text=pl_module.task.generates_text)
         print(text, flush=True)
         try:  # the checkpoints are saved: a report that cannot be written must not fail the run
             (self.run_dir / "report.txt").write_text(text + "\n")
@@ -77,8 +78,10 @@ class RunReport(Callback):
 
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
                   metrics: dict, val_batches: int | float, checkpoints: Path,
-                  curves: Path | str, prompt: str = "ROMEO:") -> str:
-    """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values)."""
+                  curves: Path | str, prompt: str = "ROMEO:", generates_text: bool = True) -> str:
+    """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values).
+    `generates_text`: the model writes text, so the next commands are generate.py and
+    serve.py beside evaluate.py; a classifier's are evaluate.py's (accuracy, confusion)."""
     session = f" (steps {first_step:,} to {steps:,} in this session)" if first_step else ""
     rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
     lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
@@ -86,29 +89,34 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
     if "val/loss" in metrics:
         at, losses = metrics["val/loss"]  # steps as load_metrics counts them: steps taken
         bpb = dict(zip(*metrics.get("val/bpb", ([], [])), strict=True))
+        acc = dict(zip(*metrics.get("val/acc", ([], [])), strict=True))
         best = min(range(len(losses)), key=losses.__getitem__)
         scope = (f"{val_batches:,} batches" if isinstance(val_batches, int)
                  else f"{val_batches:.0%} of the split")
         for label, i, note in (("last", -1, f"; {scope}: evaluate.py scores the whole split"),
                                ("best", best, "")):
             value = f"  bpb {bpb[at[i]]:.3f}" if at[i] in bpb else ""
+            value += f"  acc {acc[at[i]]:.3f}" if at[i] in acc else ""
             head = "validation  " if label == "last" else "            "
             lines.append(f"{head} {label}  loss {losses[i]:.3f}{value}  "
                          f"(after step {at[i]:,}{note})")
     else:
         lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")
     last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
-    lines.append(f"checkpoints  {last}" + (f", {best}" if (checkpoints / "best.ckpt").is_file()
-                                           else ""))
+    saved_best = (checkpoints / "best.ckpt").exists()  # a sharded one is a directory
+    lines.append(f"checkpoints  {last}" + (f", {best}" if saved_best else ""))
     lines.append(f"curves       {_shown(curves) if isinstance(curves, Path) else curves}")
     python = _python()
-    chosen = best if (checkpoints / "best.ckpt").is_file() else last
-    lines += [
-        "next",
-        f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",
-        f"  {python} serve.py --checkpoint {last}",
-        f"  {python} evaluate.py --checkpoint {chosen}",
-    ]
+    chosen = best if saved_best else last
+    lines.append("next")
+    if generates_text:
+        lines += [f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",
+                  f"  {python} serve.py --checkpoint {last}",
+                  f"  {python} evaluate.py --checkpoint {chosen}"]
+    else:  # accuracy and the confusion table, on the run's validation split or a file's
+        lines += [f"  {python} evaluate.py --checkpoint {chosen}",
+                  f"  {python} evaluate.py --checkpoint {chosen} --data LABELLED.csv "
+                  "--text_field text --label_field label"]
     return "\n".join(lines)
 
 

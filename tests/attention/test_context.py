@@ -1,6 +1,7 @@
 """The attention context: built once per forward pass, its positions, its forms, and the
 KV-cache interface both caches implement."""
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,6 @@ from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, masks
 from gptmini.attention.context import (
     AttentionContext,
     AttentionSettings,
-    Ragged,
     positions_in_documents,
 )
 from gptmini.attention.positions import AlibiPositions
@@ -18,24 +18,24 @@ from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
 
-def counting(monkeypatch, name):
-    """Count the calls of masks.<name> made through gptmini.attention.context."""
+def counting(monkeypatch, name, module=masks):
+    """Count the calls of module.<name> (masks': made through gptmini.attention.context)."""
     calls = []
-    original = getattr(masks, name)
+    original = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(masks, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
-FORMS = {  # backend: the form of the mask its kernel reads
-    "sdpa": "dense",
-    "explicit": "dense",
-    "tiled": "tile_plan",
-    "flex": "block_mask",
+FORMS = {  # backend: the form of the mask its kernel reads, and the module that makes it
+    "sdpa": ("dense", "gptmini.attention.masks"),
+    "explicit": ("dense", "gptmini.attention.masks"),
+    "tiled": ("tile_plan", "gptmini.attention.kernels.tiled"),
+    "flex": ("block_mask", "gptmini.attention.kernels.flex"),
 }
 
 
@@ -43,7 +43,8 @@ FORMS = {  # backend: the form of the mask its kernel reads
 def test_a_forward_pass_builds_its_mask_once_not_once_per_layer(backend, tiny_config,
                                                                   monkeypatch):
     model = GPTModel(replace(tiny_config, n_layers=4, attention_backend=backend)).eval()
-    calls = counting(monkeypatch, FORMS[backend])
+    name, module = FORMS[backend]
+    calls = counting(monkeypatch, name, importlib.import_module(module))
     idx = torch.randint(0, 64, (2, 10))
     documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 10])
     with torch.no_grad():
@@ -148,21 +149,3 @@ def test_a_contiguous_cache_forgets_positions_it_was_not_given():
     assert cache.positions.tolist() == [[5, 6, 7, 8]]
     cache.update(keys[:, :, :1], keys[:, :, :1])  # no positions: none are known any more
     assert cache.positions is None and len(cache) == 5
-
-
-def test_ragged_lays_packed_tokens_out_one_sequence_per_row_and_back():
-    """Three sequences with 2, 1 and 3 new tokens after 4, 6 and 0 cached ones: each row
-    holds its own tokens, left-padded, its new tokens the last of its keys."""
-    ragged = Ragged([2, 1, 3], [4, 6, 0])
-    packed = torch.arange(6.0).view(1, 1, 6, 1)  # token i carries the value i
-    rows = ragged.unpack(packed)  # (3, 1, 3, 1)
-    assert rows.shape == (3, 1, 3, 1)
-    assert rows[0, 0, 1:, 0].tolist() == [0, 1] and rows[1, 0, 2:, 0].tolist() == [2]
-    assert rows[2, 0, :, 0].tolist() == [3, 4, 5]
-    assert torch.equal(ragged.pack(rows), packed)
-    assert ragged.num_keys == 7 and ragged.context.num_tokens == 3
-    allowed = ragged.context.dense()[:, 0]  # (3, 3 queries, 7 keys)
-    # row 0: keys 1..6 are its 6 tokens; its last query (token 5) sees all of them
-    assert allowed[0, 2].tolist() == [False] + [True] * 6
-    assert allowed[0, 1].tolist() == [False] + [True] * 5 + [False]  # token 4: causal
-    assert allowed[2, 0].tolist() == [False] * 4 + [True, False, False]  # its first token

@@ -108,6 +108,21 @@ def test_stop_ids_stop_strings_and_cancellations(model):
     assert len(cancelled) == 3 and engine.blocks.in_use() == 0
 
 
+def test_requests_still_queued_are_cancelled_and_aborted_too(model):
+    """A client that goes away may leave requests that never ran (a server's queue)."""
+    engine = Engine(model, block_size=4, max_batch=2)
+    added = [engine.add_request([1 + i, 2, 3], max_new_tokens=20) for i in range(5)]
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 3
+    for request in added[:4]:
+        engine.cancel(request)
+    engine.step()
+    assert [r.finish_reason for r in added[:4]] == ["cancelled"] * 4
+    later = engine.add_request([9, 9, 9], max_new_tokens=20)
+    assert engine.abort() == [added[4], later] and later.finish_reason == "error"
+    assert not engine.has_work and engine.blocks.in_use() == 0
+
+
 def test_a_seeded_request_samples_the_same_whatever_else_is_batched(model):
     prompt, settings = [5, 17, 99], dict(max_new_tokens=20, temperature=1.0, top_k=50, seed=7)
     expected = alone(model, prompt, 20, temperature=1.0, top_k=50, seed=7)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import column, read_metrics, tiny_args, write_corpus
+from helpers import HANG_SECONDS, column, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 import gptmini
@@ -92,7 +92,8 @@ def test_a_run_and_its_resume_print_no_adverts_or_deprecation_warnings(tmp_path,
     printed = ""
     for extra in ([], ["--trainer.max_steps", "6", "--ckpt_path", "last"]):
         proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args, *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr[-2000:]
         printed += proc.stdout + proc.stderr
     assert "Restored all states" in printed  # the resume did happen
@@ -122,7 +123,7 @@ def test_the_save_on_a_signal_says_nothing_of_weights_only(tmp_path, corpus):
         cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10"))
         cli.trainer.callbacks.insert(0, Sigterm())
         with pytest.raises(RunInterrupted):
-            fit(cli)
+            fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -138,7 +139,7 @@ def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "logging offline" in proc.stdout and "wandb sync" in proc.stdout
@@ -183,7 +184,7 @@ def test_two_process_ddp_trains_each_rank_on_different_windows_with_document_mas
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path,
                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_SECONDS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["step"] == 6 for r in ranks)
@@ -225,7 +226,7 @@ def print_config(capsys, *args: str) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
-def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys, tmp_path):
+def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys):
     import yaml
 
     assert DEFAULT_CONFIG.parent.parent == Path(gptmini.__file__).parent  # package data
@@ -245,10 +246,9 @@ def test_no_arguments_means_the_default_run_config_shipped_in_the_package(capsys
     book = GPTConfig()
     for field in ("qkv_bias", "window_size", "padded_vocab_size"):
         assert field not in written["model"] and default["model"][field] == getattr(book, field)
-    # A config of one's own applies on top of the default run.
-    mine = tmp_path / "mine.yaml"
-    mine.write_text("model:\n  n_layers: 2\n")
-    on_top = print_config(capsys, "--config", str(mine))
+    # Flags apply on top of the default run (a --config file is a whole run of its own:
+    # tests/train/test_configs.py).
+    on_top = print_config(capsys, "--model.n_layers", "2")
     assert on_top["model"] == {**default["model"], "n_layers": 2}
 
 
@@ -395,7 +395,8 @@ def test_only_train_py_keeps_freed_memory_and_then_large_tensors_stay_on_the_hea
     for mode in ("entry", "library"):
         script = MALLINFO.replace("sys.argv_mode", repr(mode))
         proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              text=True, timeout=HANG_SECONDS,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
         mmapped[mode] = int(proc.stdout.split()[-1])
     assert mmapped["entry"] <= 0  # served from the heap, kept for the next step
@@ -591,9 +592,9 @@ def test_a_run_with_the_modern_blocks_trains_and_its_checkpoint_needs_no_flags(t
     from gptmini.checkpoint import load_checkpoint
     from gptmini.generate.loop import generate
 
-    args = tiny_args(tmp_path, corpus, "--config", str(REPO / "configs" / "modern-cpu.yaml"),
-                     "--run_name", "modern", "--trainer.max_steps", "12",
-                     "--model.attention_backend", "tiled", "--model.attn_softcap", "20")
+    args = ["--config", str(REPO / "configs" / "modern-cpu.yaml"),  # the tiny run's flags on it
+            *tiny_args(tmp_path, corpus, "--run_name", "modern", "--trainer.max_steps", "12",
+                       "--model.attention_backend", "tiled", "--model.attn_softcap", "20")]
     assert main(args) == 0
     model, tokenizer, _ = load_checkpoint(tmp_path / "runs" / "modern" / "checkpoints" /
                                           "last.ckpt")

@@ -4,12 +4,13 @@ Each `step` does what a chapter 4 reader would do by hand for a batch, but with 
 that come and go:
 
 1. take the requests added since the last step (from any thread) and drop cancelled ones;
-2. *schedule* (gptmini.generate.engine.scheduler): admit waiting requests while the pool has blocks
-   for their prompts (reusing cached blocks of a prefix seen before), and pick the tokens
-   to compute: the newest token of every decoding request, and prompts (or chunks of
-   them, within a per-step token budget) of those being prefilled;
-3. *run* (gptmini.generate.engine.runner): one forward pass over all those tokens packed in one row,
-   each sequence attending to its own blocks, writing their keys and values there;
+2. *schedule* (gptmini.generate.engine.scheduler): admit waiting requests while the block
+   manager (gptmini.generate.engine.block_manager) has blocks for their prompts (reusing
+   cached blocks of a prefix seen before), and pick the tokens to compute: the newest
+   token of every decoding request, and prompts (or chunks of them, within a per-step
+   token budget) of those being prefilled;
+3. *run* (gptmini.generate.engine.runner): one forward pass over all those tokens packed in
+   one row, each sequence attending to its own blocks, writing their keys and values there;
 4. *sample* every request whose tokens are all computed, in one call, each with its own
    settings and random generator, and finish requests that drew a stop token, wrote a stop
    string or reached max_new_tokens; the next step a new request takes a finished one's
@@ -31,6 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from gptmini.generate.engine.block_manager import BlockManager
 from gptmini.generate.engine.request import Request
 from gptmini.generate.engine.runner import ModelRunner
 from gptmini.generate.engine.scheduler import Scheduler
@@ -61,7 +63,7 @@ class Engine:
         num_local_blocks: with local and global layers (GPTConfig.layer_windows with a
             global layer), the blocks of the windowed layers' own pool, which a request
             holds only behind its window and its prompt while prefilling (see
-            gptmini.generate.engine.scheduler). None: `max_batch` windows of
+            gptmini.generate.engine.block_manager). None: `max_batch` windows of
             `local_window / block_size + 1` blocks, and a budget's or a context's worth
             more for the prompts being prefilled, at most `num_blocks`.
     """
@@ -70,18 +72,14 @@ class Engine:
                  num_blocks: int | None = None, max_batch: int = 32,
                  max_step_tokens: int | None = None, prefix_caching: bool = True,
                  num_local_blocks: int | None = None):
-        if getattr(model.cfg, "mla_kv_lora_rank", None) is not None:
-            # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
+        unpaged = [i for i, mixer in enumerate(model.mixers) if not mixer.pageable]
+        if unpaged:  # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
+            title = model.mixers[unpaged[0]].title
             raise ValueError(
-                "the engine cannot serve multi-head latent attention yet "
-                "(GPTConfig.mla_kv_lora_rank): its paged KV blocks hold per-head keys and "
-                "values, not latents; generate with gptmini.generate.generate instead")
-        if "deltanet" in (model.cfg.layer_kinds or ()):
-            raise ValueError(
-                "the engine cannot serve Gated DeltaNet layers yet (GPTConfig.layer_kinds "
-                f"{model.cfg.layer_kinds}): its paged blocks hold keys and values, not a "
-                "layer's fixed state; generate with generate.py --prompt (no --chat, no "
-                "--batch-file) or gptmini.generate.loop.generate")
+                f"the engine cannot serve {title} layers yet (layers {unpaged}): its paged "
+                f"blocks hold per-head keys and values, which a {title} layer does not keep; "
+                "generate with generate.py --prompt (no --chat, no --batch-file) or "
+                "gptmini.generate.loop.generate")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch
@@ -101,9 +99,11 @@ class Engine:
             most = max(max_step_tokens, self.context)  # prompts being prefilled hold it all
             num_local_blocks = min(num_blocks, max_batch * (
                 math.ceil(local_window / block_size) + 1) + math.ceil(most / block_size))
-        self.scheduler = Scheduler(self.context, num_blocks, block_size, max_batch,
-                                   max_step_tokens, model.cfg.kv_window, prefix_caching,
-                                   local_window, num_local_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, window_size=model.cfg.kv_window,
+            prefix_caching=prefix_caching, local_window=local_window,
+            num_local_blocks=num_local_blocks)
+        self.scheduler = Scheduler(self.context, self.block_manager, max_batch, max_step_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, num_local_blocks)
         self.device = self.runner.device
         self._incoming: list[Request] = []
@@ -114,10 +114,10 @@ class Engine:
         """Tokens computed for prompts, and for requests recomputing after a preemption or
         a slide (the ones found in the prefix cache are not)."""
 
-    # the scheduler's state, as the engine's users read it
-    blocks = property(lambda self: self.scheduler.blocks)
+    # the block manager's and the scheduler's state, as the engine's users read it
+    blocks = property(lambda self: self.block_manager.blocks)
     pool = property(lambda self: self.runner.pool)
-    local_blocks = property(lambda self: self.scheduler.local_blocks)  # None: one pool
+    local_blocks = property(lambda self: self.block_manager.local_blocks)  # None: one pool
     local_pool = property(lambda self: self.runner.local_pool)
     running = property(lambda self: self.scheduler.running)
     waiting = property(lambda self: self.scheduler.waiting)

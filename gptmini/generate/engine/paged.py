@@ -1,14 +1,14 @@
 """The paged KV cache's memory: one pool of blocks per layer, read through slot tables.
 
 `KVPool` holds, for every layer (or for the layers of one group: a model of local and
-global layers has one pool for each, see gptmini.generate.engine.scheduler), keys and
+global layers has one pool for each, see gptmini.generate.engine.block_manager), keys and
 values for `num_blocks * block_size` token slots (and each slot's position); slot
 `block * block_size + i` is token `i` of that block. A step sees the pool through one
 `PagedView` per layer, a KV cache as attention knows them (`gptmini.attention.BaseKVCache`):
 `update` writes the step's new tokens' keys, values and positions into their slots (the new
 tokens of every sequence, packed in one row), then reads back every key the step attends
 to, gathered by slot into one row per sequence, left-padded to the longest (the padding
-reads slot 0 and is hidden by the step's mask; see `gptmini.attention.context.Ragged`),
+reads slot 0 and is hidden by the step's mask; see `PackedRow`, packed.py),
 into a buffer that every layer and step reuses.
 Measured on a CPU (bench/bench_paged.py), that gather costs about what attention over it
 costs; attending over the whole pool instead, with other sequences' slots masked, costs
@@ -29,7 +29,7 @@ class KVPool:
                  device: torch.device | str, num_layers: int | None = None):
         kv_heads = cfg.n_kv_heads or cfg.n_heads
         num_layers = cfg.n_layers if num_layers is None else num_layers
-        shape = (num_layers, num_blocks * block_size, kv_heads, cfg.emb_dim // cfg.n_heads)
+        shape = (num_layers, num_blocks * block_size, kv_heads, cfg.head_size)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(shape[1], dtype=torch.long, device=device)  # per slot
@@ -74,7 +74,7 @@ class PagedView(BaseKVCache):
         self._num_cached = num_cached
 
     def __len__(self) -> int:
-        """Keys before the new ones in the step's padded rows (`Ragged.context`'s)."""
+        """Keys before the new ones in the step's padded rows (`PackedRow.context`'s)."""
         return self._num_cached
 
     @property

@@ -24,13 +24,12 @@ class Request:
     """With `params.logprobs` set: one `sampling.TokenLogprobs` per token of `tokens`."""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    table: list[int] = field(default_factory=list)
-    """Block ids of the tokens in the cache, in order (-1: dropped behind the window)."""
-    local_table: list[int] = field(default_factory=list)
-    """With a model of local and global layers, the windowed layers' blocks, as `table`
-    (-1: dropped behind the widest local window); empty otherwise."""
+    tables: list[list[int]] = field(default_factory=list)
+    """Its block table in each pool (the `BlockManager`'s to write, block_manager.py): block
+    ids of the tokens in the cache, in order (-1: dropped behind the window); none while
+    it waits."""
     names: list[bytes] = field(default_factory=list)
-    """Prefix-cache names of its full blocks, in order."""
+    """Prefix-cache names of its full blocks, in order (the `BlockManager`'s)."""
     start: int = 0
     """Index in prompt + tokens of the first cached token (> 0 once it slides)."""
     num_cached: int = 0
@@ -52,6 +51,17 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def table(self) -> list[int]:
+        """Its blocks in the pool of every layer (a local/global model's global layers)."""
+        return self.tables[0] if self.tables else []
+
+    @property
+    def local_table(self) -> list[int]:
+        """With a model of local and global layers, the windowed layers' blocks, as `table`
+        (-1: dropped behind the widest local window); empty otherwise."""
+        return self.tables[1] if len(self.tables) > 1 else []
 
     @property
     def all_tokens(self) -> list[int]:

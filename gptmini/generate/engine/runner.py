@@ -5,11 +5,11 @@ For the chunks of a step (gptmini.generate.engine.scheduler) it builds, once:
     ids         (1, num_new) the new tokens of every chunk, packed one after another
     positions   (1, num_new) each new token's position in its sequence
     read        (num_seqs, num_keys) the slots of every key each sequence attends to,
-                left-padded (see gptmini.attention.context.Ragged)
+                left-padded (see `PackedRow`, packed.py)
     write       (1, num_new) the slots the new tokens' keys and values go to
     keep        the packed index of the last token of every chunk that samples
 
-and one attention context holding the positions and the ragged layout, then runs the model
+and one attention context holding the positions and the packed layout, then runs the model
 once over the packed row, every layer reading and writing the pool through its view, and
 returns the logits of the kept tokens.
 
@@ -22,6 +22,7 @@ window are gone (-1: such a key reads a slot of block 0, which the window hides)
 import torch
 from torch import Tensor, nn
 
+from gptmini.generate.engine.packed import PackedRow
 from gptmini.generate.engine.paged import KVPool
 from gptmini.generate.engine.scheduler import Chunk
 
@@ -54,8 +55,8 @@ class ModelRunner:
         device = self.device
         requests = [c.request for c in chunks]
         num_new = [c.num_new for c in chunks]
-        ragged = self.model.new_ragged(num_new, [r.num_cached for r in requests],
-                                       device=device)
+        ragged = PackedRow(num_new, [r.num_cached for r in requests],
+                           self.model.attention_settings, device=device)
         token = ragged.key_index.clamp(min=0)  # (num_seqs, num_keys), 0 in the padding
         read = self._slots([r.table for r in requests], token, ragged.key_index < 0)
         write = ragged.new_of(read)[None]  # (1, total_new)

@@ -4,14 +4,10 @@ its cache against recompute, and its absorbed decoding against the plain path.""
 import pytest
 import torch
 
-from gptmini.attention import (
-    AttentionContext,
-    AttentionSettings,
-    KVCache,
-    MultiHeadLatentAttention,
-)
+from gptmini.attention import AttentionContext, AttentionSettings, KVCache
 from gptmini.attention.positions import RotaryPositions
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.variants import MultiHeadLatentAttention
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,6 +238,17 @@ def test_config_refuses_sinks_and_gate_that_mla_would_drop():
         tiny_config(attn_gate="elementwise")
 
 
+def test_config_refuses_a_latent_wider_than_what_it_compresses():
+    """4 heads x (8 + 6) = 56 dimensions of keys and values per token: a latent of 1000
+    would cache more than attention's own keys and values (issue 48)."""
+    with pytest.raises(ValueError, match="mla_kv_lora_rank=1000 is invalid: a latent wider "
+                                         r"than the 4 heads x 14 dimensions .*at most 56"):
+        tiny_config(mla_kv_lora_rank=1000)
+    with pytest.raises(ValueError, match="mla_q_lora_rank=49 .* at most 48"):
+        tiny_config(mla_q_lora_rank=49)
+    tiny_config(mla_kv_lora_rank=56, mla_q_lora_rank=48)
+
+
 def latent_cache_step(module, x_new, cache):
     """The kit's kv_step: MLA's own cache (latents and rotary keys) across calls."""
     cache = KVCache() if cache is None else cache
@@ -264,7 +271,7 @@ def test_conformance_kit_passes_with_padding_window_cache_and_positions(absorb):
 
     spec = AttentionSpec(padding="attention_mask", window=3, positions="positions",
                          kv_step=latent_cache_step)
-    report = check_attention(mla, spec)
+    report = check_attention(mla, spec, time_budget=None)
     assert report.passed, str(report)
     ran = {r.name for r in report.results if r.status == "passed"}
     assert {"causality", "padding", "window", "kv_cache", "relative_positions"} <= ran

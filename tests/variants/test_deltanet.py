@@ -4,7 +4,8 @@ transformers' Qwen3NextGatedDeltaNet with the same weights, and its state is its
 import pytest
 import torch
 
-from gptmini.attention.deltanet import (
+from gptmini.model import GPTConfig
+from gptmini.variants.deltanet import (
     DeltaNetState,
     GatedDeltaNet,
     chunked_delta_rule,
@@ -117,6 +118,19 @@ def test_the_state_refuses_to_drop_tokens():
         DeltaNetState().drop_oldest(1)
 
 
+def test_a_window_on_a_deltanet_layer_is_refused_not_stored():
+    """Gated DeltaNet applies no window: one given to its layer would be kept in the config
+    and never applied (issue 48); layer_windows gives it None instead."""
+    shape = dict(vocab_size=64, context_length=16, emb_dim=32, n_heads=2, n_layers=2,
+                 layer_kinds=["deltanet", "attention"])
+    with pytest.raises(ValueError, match=r"window_size=4 is invalid: layer 0 is Gated DeltaNet"
+                                         r".*layer_windows=\[None, 4\] and window_size None"):
+        GPTConfig(**shape, window_size=4)
+    with pytest.raises(ValueError, match="layer_windows=\\[4, 4\\] is invalid: layer 0"):
+        GPTConfig(**shape, layer_windows=[4, 4])
+    assert GPTConfig(**shape, layer_windows=[None, 4]).window_of(1) == 4
+
+
 # --- transformers' own implementation ------------------------------------------------------
 
 def load_from_qwen3_next(ours: GatedDeltaNet, theirs) -> None:
@@ -179,7 +193,7 @@ def test_the_kit_passes_it_as_linear_attention():
 
     spec = AttentionSpec(d_in=8, num_heads=2, padding="attention_mask", kv_step=kit_step,
                          softmax=False)
-    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), spec)
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), spec, time_budget=None)
     assert report.passed, str(report)
     for name in ("causality", "padding", "kv_cache", "batch_rows_independent"):
         assert report[name].status == "passed", str(report)
@@ -187,5 +201,6 @@ def test_the_kit_passes_it_as_linear_attention():
     # a state that is not handed on between calls is caught
     forgetful = AttentionSpec(d_in=8, num_heads=2, softmax=False,
                               kv_step=lambda m, x, s: kit_step(m, x, None))
-    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), forgetful)
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), forgetful,
+                             time_budget=None)
     assert report["kv_cache"].status == "failed", str(report)
