@@ -167,7 +167,7 @@ def test_compiled_runs_stopped_by_sigterm_or_killed_resume_to_a_straight_runs_we
                                   *extra))
         if callback is not None:
             cli.trainer.callbacks.insert(0, callback)
-        fit(cli)
+        fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on to pytest
         return cli
 
     straight = weights(run("straight"))
