@@ -10,17 +10,20 @@ run: startup (imports, data, model), the first step (compiling, for a compiled r
 steady state (median step, tokens/s), the wall clock of the capped run and the full run's
 projected from those parts (startup, first step, 959 median steps, 5 validations); then the
 goals of issue 48: beside the competitor at least 0.4x the steady throughput alone, and at
-most 2.5x the whole wall clock alone.
+most 2.5x the whole wall clock alone. The mode `unordered` is the compiled run without
+`deterministic_kernels` (gptmini/train/compiling.py): beside `compiled`, what exact runs cost.
 
     python bench/bench_busy.py                     # 100 steps x 4 runs: about 10-20 minutes
     python bench/bench_busy.py --steps 960         # the full default run, 4 times
     python bench/bench_busy.py --modes compiled --beside 1 -- --trainer.precision 32-true
     python bench/bench_busy.py --threads 1 2 --beside 1   # the thread count beside a job
+    python bench/bench_busy.py --modes compiled unordered --beside 0   # determinism's cost
 
 Arguments after `--` go to train.py (e.g. a precision, to see an AVX2-only CPU's float32).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -70,6 +73,10 @@ def child(spec: dict) -> None:
             self.validations[-1] = time.time() - self.validations[-1]
 
     keep_freed_memory()
+    if spec["unordered"]:  # what determinism costs: the compiled run without its switch
+        import gptmini.train.command
+
+        gptmini.train.command.deterministic_kernels = lambda *args: contextlib.nullcontext()
     cli = build_cli(spec["args"])
     clock = StepClock()
     cli.trainer.callbacks.append(clock)
@@ -99,7 +106,7 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     args = ["--trainer.default_root_dir", str(root / "runs"), "--run_name", name,
             "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
             "--trainer.val_check_interval", str(min(steps, VALIDATE_EVERY)),  # one at least
-            "--model.compile", str(mode == "compiled").lower(), *extra]
+            "--model.compile", str(mode != "eager").lower(), *extra]
     cache = tempfile.mkdtemp(prefix="inductor-", dir=root)  # a first run's empty cache
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": path}  # this tree
@@ -108,7 +115,7 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     spinners = [subprocess.Popen([sys.executable, "-c", SPINNER]) for _ in range(competitors)]
     try:
         start = time.time()
-        spec = {"args": args, "out": str(out), "t0": start}
+        spec = {"args": args, "out": str(out), "t0": start, "unordered": mode == "unordered"}
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                               cwd=REPO, capture_output=True, text=True)
         wall = time.time() - start
@@ -131,36 +138,74 @@ def minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {seconds % 60:04.1f} s"
 
 
-def report(rows: list[dict], steps: int) -> None:
+def where(row: dict) -> str:
+    return "alone" if not row["competitors"] else f"beside {row['competitors']} busy"
+
+
+def whole(row: dict, steps: int) -> tuple[float, str]:
+    """The whole default run's wall clock: measured when the run was whole, else projected."""
+    return (row["wall"], "measured") if steps >= DEFAULT_STEPS else (row["projected"],
+                                                                      "projected")
+
+
+def table(rows: list[dict], steps: int) -> None:
+    """Every run's parts: startup, the first step (compiling, for a compiled run) and the
+    steady state apart."""
     print(f"{'run':34s} {'startup':>8s} {'first step':>11s} {'median step':>12s} {'tokens/s':>9s}"
           f" {'wall, ' + str(steps) + ' steps':>17s} {'projected ' + str(DEFAULT_STEPS):>16s}")
     for r in rows:
-        where = "alone" if not r["competitors"] else f"beside {r['competitors']} busy"
-        print(f"{r['kind'] + ', ' + where:34s} {r['startup']:7.1f}s {r['first_step']:10.1f}s"
+        print(f"{r['kind'] + ', ' + where(r):34s} {r['startup']:7.1f}s {r['first_step']:10.1f}s"
               f" {1000 * r['median_step']:10.1f}ms {r['tokens_per_sec']:9,.0f}"
               f" {minutes(r['wall']):>17s} {minutes(r['projected']):>16s}")
     for r in rows:
         if r["compiled"]:
             phases = ", ".join(f"{name} {sec:.1f}s" for name, sec in r["phases"])
-            print(f"  {r['kind']} beside {r['competitors']}: {r['graphs']} graph(s) compiled;"
+            print(f"  {r['kind']}, {where(r)}: {r['graphs']} graph(s) compiled;"
                   f" slowest phases (nested): {phases}")
+
+
+def goals(rows: list[dict], steps: int) -> None:
+    """Issue 48's two goals per kind of run, alone and beside the competitor side by side:
+    at least 0.4x the steady throughput alone, at most 2.5x the whole wall clock alone."""
     for kind in dict.fromkeys(r["kind"] for r in rows):
         alone = next((r for r in rows if r["kind"] == kind and not r["competitors"]), None)
         for busy in (r for r in rows if r["kind"] == kind and r["competitors"] and alone):
             rate = busy["tokens_per_sec"] / alone["tokens_per_sec"]
-            wall = busy["projected"] / alone["projected"]
-            print(f"{kind} beside {busy['competitors']} busy: {rate:.2f}x the steady throughput"
-                  f" alone (goal >= 0.4), {wall:.2f}x the projected wall clock (goal <= 2.5)")
+            (wall_alone, how), (wall_busy, _) = whole(alone, steps), whole(busy, steps)
+            print(f"{kind}, alone | {where(busy)}:\n"
+                  f"  first step {alone['first_step']:.1f} s | {busy['first_step']:.1f} s\n"
+                  f"  steady {alone['tokens_per_sec']:,.0f} | {busy['tokens_per_sec']:,.0f}"
+                  f" tokens/s: {rate:.2f}x (goal >= 0.4: {'met' if rate >= 0.4 else 'missed'})\n"
+                  f"  whole run ({how}) {minutes(wall_alone)} | {minutes(wall_busy)}:"
+                  f" {wall_busy / wall_alone:.2f}x (goal <= 2.5:"
+                  f" {'met' if wall_busy <= 2.5 * wall_alone else 'missed'})")
+
+
+def compiling_pays(rows: list[dict], steps: int) -> None:
+    """Whether compiling pays for itself where it ran, and what its exact kernels cost."""
     for competitors in dict.fromkeys(r["competitors"] for r in rows):
         same = {(r["mode"], r["threads"]): r for r in rows if r["competitors"] == competitors}
         for (mode, threads), compiled in same.items():
             eager = same.get(("eager", threads))
-            if mode != "compiled" or eager is None:
+            if mode != "compiled":
                 continue
-            gain = eager["projected"] / compiled["projected"]
-            where = "alone" if not competitors else f"beside {competitors} busy"
-            print(f"compiling {'pays' if gain > 1 else 'loses'} {where} ({threads} threads): "
-                  f"the projected default run eager takes {gain:.2f}x the compiled one's time")
+            if eager is not None:
+                gain = whole(eager, steps)[0] / whole(compiled, steps)[0]
+                print(f"compiling {'pays' if gain > 1 else 'loses'} {where(compiled)} ({threads}"
+                      f" threads): the default run eager takes {gain:.2f}x the compiled one's")
+            unordered = same.get(("unordered", threads))
+            if unordered is not None:
+                cost = compiled["median_step"] / unordered["median_step"]
+                print(f"deterministic kernels {where(compiled)} ({threads} threads): a step takes"
+                      f" {cost:.3f}x the unordered one's ({1000 * compiled['median_step']:.1f}"
+                      f" against {1000 * unordered['median_step']:.1f} ms)")
+
+
+def report(rows: list[dict], steps: int) -> None:
+    table(rows, steps)
+    print()
+    goals(rows, steps)
+    compiling_pays(rows, steps)
 
 
 def main() -> None:
@@ -169,7 +214,8 @@ def main() -> None:
                         help="the step cap of each run (default: %(default)s; the default run "
                              f"has {DEFAULT_STEPS})")
     parser.add_argument("--modes", nargs="+", default=["compiled", "eager"],
-                        choices=["compiled", "eager"])
+                        choices=["compiled", "eager", "unordered"],
+                        help="unordered: compiled without deterministic kernels")
     parser.add_argument("--beside", nargs="+", type=int, default=[0, 1],
                         help="numbers of spinning competitors to run beside (default: 0 1)")
     parser.add_argument("--threads", nargs="+", type=int, default=[0],
@@ -186,7 +232,7 @@ def main() -> None:
     from machine import cpu_description  # bench/machine.py
 
     print(f"CPU: {cpu_description()}, {os.cpu_count()} logical CPUs; load average "
-          f"{os.getloadavg()[0]:.1f} before starting (busy machine: figures are not goals')",
+          f"{os.getloadavg()[0]:.1f} before starting (a goal's figures want it near 0)",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-busy-") as tmp:
         root = Path(tmp)
