@@ -49,6 +49,8 @@ SKIPPED = {
     "pip download": "downloads from the network",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
     "qwen3-0.6b": "needs the Qwen3 download",
+    "bench_busy.py": "trains the default run several times, each compiled from an empty cache "
+                     "(10-20 minutes)",
 }
 PYTHON_SKIPPED = {
     "checkpoints/gpt2": "needs the GPT-2 download",

@@ -48,6 +48,7 @@ from gptmini.train.callbacks import (
     ValidateFinalWeights,
     hand_on,
 )
+from gptmini.train.compiling import deterministic_kernels
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
 from gptmini.train.module import GPTLitModule
@@ -422,7 +423,9 @@ def _fit(cli: GPTCLI):
     if checkpoints.is_dir():
         remove_stale_temporaries(checkpoints)  # of saves a kill interrupted
     cli.model.resuming = ckpt is not None  # decided before setup: init_from is not read
-    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
+    # Compiled CPU kernels that add in a fixed order: the same seed gives the same weights.
+    with deterministic_kernels(cli.trainer.strategy.root_device, cli.model.hparams.compile):
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt)
 
 
 def check_resumable(path: Path) -> None:

@@ -123,6 +123,9 @@ class GPTLitModule(L.LightningModule):
         self.skipped_steps = SkippedSteps()  # non-finite steps, raised at the next check
         self.throughput = Throughput(flops_per_token(self.cfg), peak_flops)
         self._rng_to_restore: list | dict | None = None
+        self.compiled = False
+        """Whether configure_model compiled the model (the progress bar says so while the
+        first step compiles)."""
         self.resuming = False
         """Set before `trainer.fit(..., ckpt_path=...)`: Lightning names the checkpoint only
         after `setup`, which must already know not to load `init_from` (train.py sets it)."""
@@ -136,8 +139,9 @@ class GPTLitModule(L.LightningModule):
             strategy = None
         if isinstance(strategy, FSDP2Strategy):  # each block compiled, then sharded
             if not is_sharded_run(self.model):
-                compile = self.hparams.compile and self.can_compile()
-                shard_model(self.model, strategy.mesh, str(self.trainer.precision), compile)
+                self.compiled = self.hparams.compile and self.can_compile()
+                shard_model(self.model, strategy.mesh, str(self.trainer.precision),
+                            self.compiled)
             return
         if self.hparams.compile:
             self.compile_model()
@@ -161,6 +165,7 @@ class GPTLitModule(L.LightningModule):
         where it can be compiled (`can_compile`)."""
         if self.can_compile():
             self.model.compile()
+            self.compiled = True
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:

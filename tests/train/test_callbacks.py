@@ -220,6 +220,29 @@ def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path
     assert all(eta != "?" for n, _, eta in shown[1] if int(n) > 20)  # an ETA after resuming
 
 
+def test_a_compiled_runs_bar_says_it_is_compiling_and_times_its_rate_from_after(tmp_path, corpus,
+                                                                               capsys):
+    """Before (issue 48): the bar sat at "0/960 [07:30<?" while the first step compiled,
+    then averaged the compiling into its rate (an ETA of hours for a 5-minute run). The
+    module says it compiled (here said of an eager model, to keep the test fast)."""
+    import re
+
+    from helpers import tiny_args
+
+    from gptmini.train.command import build_cli, fit
+
+    cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.enable_progress_bar", "true",
+                              "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "2"))
+    cli.model.compiled = True
+    fit(cli)
+    bars = re.findall(r"^Training:.*$", capsys.readouterr().out.replace("\r", "\n"), re.M)
+    compiling = [bar for bar in bars if "compiling the model" in bar]
+    assert compiling and all(" 0/6 " in bar for bar in compiling)
+    after = bars[bars.index(compiling[-1]) + 1:]
+    assert after and all("compiled" in bar for bar in after)
+    assert re.search(r" 6/6 \[00:0\d<", after[-1])  # the elapsed time counts from after
+
+
 def test_the_bars_tokens_per_second_is_the_interval_just_logged(tmp_path, corpus, capsys):
     """Before: the bar refreshed before the module logged the interval's throughput (the
     callbacks' on_train_batch_end runs first), so it showed the previous interval's tok/s."""

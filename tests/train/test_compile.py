@@ -1,10 +1,18 @@
 """--model.compile: the compiled model trains as the eager one does (the same loss and
-gradients, to float32's precision), with the same parameter names in its checkpoints."""
+gradients, to float32's precision), with the same parameter names in its checkpoints, and
+a compiled run repeats and resumes to the bit on two threads (issue 48)."""
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from helpers import REPO, tiny_args, write_corpus
+from lightning.pytorch import Callback
 
 from gptmini.train.module import GPTLitModule
 
@@ -60,3 +68,122 @@ def test_a_compiled_train_py_run_trains_validates_and_its_checkpoint_loads(tmp_p
     assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["compile"] is True
     model = load_checkpoint(checkpoint).model  # no compiled wrapper's names in the weights
     assert model(torch.tensor([[1, 2, 3]])).shape[-1] == model.cfg.vocab_size
+
+
+def test_deterministic_kernels_hold_torchs_switch_on_a_cpu_and_give_back_what_was_there():
+    """The switch inductor reads when it lowers a graph (its scatter-adds then add in order),
+    for the block only: on a CPU, not on a GPU (which would want CUBLAS_WORKSPACE_CONFIG),
+    and not when the model is not compiled."""
+    from gptmini.train.compiling import deterministic_kernels
+
+    def state():
+        return (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory)
+
+    before = state()
+    with deterministic_kernels("cpu"):
+        assert state() == (True, True, False)  # warn, never stop a run; no NaN filling
+    assert state() == before
+    for device, enabled in (("cuda", True), ("cpu", False)):
+        with deterministic_kernels(device, enabled):
+            assert state() == before
+    torch.use_deterministic_algorithms(True)  # a user's strict choice stays strict
+    try:
+        with deterministic_kernels("cpu"):
+            assert state()[:2] == (True, False)
+        assert state()[:2] == (True, False)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+COMPILED_DEFAULT = ("--model.compile", "true", "--model.tokenizer", "byte",
+                    "--model.n_layers", "1", "--model.context_length", "32",
+                    "--data.loader.batch_size", "16", "--trainer.max_steps", "12",
+                    "--trainer.val_check_interval", "6", "--checkpoint_every", "4")
+"""The default recipe (its blocks, Muon, clipping; float32 as tests pin it), compiled, on
+tiny shapes: one layer, bytes, 16 x 32 tokens a step (batches where many positions share a
+token, whose embedding rows the backward adds into)."""
+
+KILLED_AFTER_FIRST_SAVE = textwrap.dedent("""
+    import os, sys
+    import gptmini.checkpoint.atomic as io
+    from gptmini.train.command import main
+
+    real = io.atomic_save
+    def atomic_save(obj, path):
+        real(obj, path)
+        os._exit(9)  # SIGKILL's effect: gone right after the save, nothing flushed or closed
+    io.atomic_save = atomic_save
+    main(sys.argv[1:])
+""")
+
+
+class SigtermAt(Callback):
+    """A SIGTERM to this process after optimizer step `step`, as a scheduler would send."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.fixture
+def two_threads():
+    """A 2-core machine's default thread count (CI pins 1 thread, where no two can race)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def weights(cli) -> dict:
+    return {k: v.detach().clone() for k, v in cli.model.state_dict().items()}
+
+
+def assert_bit_equal(a: dict, b: dict):
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ: {different}"
+
+
+@pytest.mark.slow
+def test_compiled_runs_stopped_by_sigterm_or_killed_resume_to_a_straight_runs_weights(
+        tmp_path, two_threads):
+    """Before (issue 48): on two threads the compiled embedding backward added in a racing
+    order, and a resumed run (or any second run) differed from the straight one in every
+    tensor; with the same seed, command and thread count each must give the same bits."""
+    from gptmini.runtime import compile_blocker
+    from gptmini.train.callbacks import RunInterrupted
+    from gptmini.train.command import build_cli, fit
+
+    if compile_blocker("cpu"):
+        pytest.skip(compile_blocker("cpu"))
+    corpus = write_corpus(tmp_path / "corpus.txt", repeats=12)
+
+    def run(name: str, *extra: str, callback: Callback | None = None):
+        cli = build_cli(tiny_args(tmp_path, corpus, *COMPILED_DEFAULT, "--run_name", name,
+                                  *extra))
+        if callback is not None:
+            cli.trainer.callbacks.insert(0, callback)
+        fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on to pytest
+        return cli
+
+    straight = weights(run("straight"))
+    with pytest.raises(RunInterrupted) as stopped:  # mid-run: no periodic save at step 5
+        run("sigterm", callback=SigtermAt(5))
+    assert stopped.value.step == 5
+    resumed = run("sigterm", "--ckpt_path", "last")
+    assert resumed.trainer.global_step == 12
+    assert_bit_equal(straight, weights(resumed))
+
+    # A process killed right after its save at step 4 (train.py's own path, 2 threads).
+    args = tiny_args(tmp_path, corpus, *COMPILED_DEFAULT, "--run_name", "killed")
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_FIRST_SAVE, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    resumed = run("killed", "--ckpt_path", "last")
+    assert resumed.trainer.global_step == 12
+    assert_bit_equal(straight, weights(resumed))
