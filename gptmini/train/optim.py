@@ -14,13 +14,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from gptmini.model import is_finite_number
+from gptmini.runtime import device_has_bf16
 
 __all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIELDS", "OPTIMIZERS",
            "SETTINGS", "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings",
            "check_muon_settings", "check_optimization", "check_optimizer", "check_settings",
            "configure", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
-           "orthogonalize", "sharded_orthogonalize", "skips_on_device", "warmup_cosine",
-           "warmup_for"]
+           "newton_schulz_dtype", "orthogonalize", "sharded_orthogonalize", "skips_on_device",
+           "warmup_cosine", "warmup_for"]
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
@@ -56,9 +57,19 @@ NS_COEFFICIENTS: dict[str, tuple[float, tuple[tuple[float, float, float], ...]]]
 last repeats when there are more iterations)."""
 
 
+def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
+    """What Newton-Schulz computes in on `device`: bf16 where it computes bf16 natively
+    (torch.optim.Muon's choice), float32 elsewhere. On a CPU without bf16 units (AVX2
+    alone) a bf16 matmul is emulated: with the AVX2 path forced on a 2-core AMD EPYC
+    (ONEDNN_MAX_CPU_ISA=AVX2) it ran at 1 GFLOP/s against 170 in float32, and Muon's
+    iterations made the default run's float32 step 4.3 s instead of ~0.5 (issue 48)."""
+    return torch.bfloat16 if device_has_bf16(device) else torch.float32
+
+
 def orthogonalize(updates: torch.Tensor, coefficients: str | tuple = "jordan", steps: int = 5,
                   eps: float = 1e-7) -> torch.Tensor:
-    """Newton-Schulz iterations towards U V^T of each matrix's SVD U S V^T, in bf16.
+    """Newton-Schulz iterations towards U V^T of each matrix's SVD U S V^T, in bf16 (float32
+    where the device has no bf16 units: `newton_schulz_dtype`).
 
     Args:
         updates: (k, rows, cols) same-shape matrices, orthogonalized in one batched call.
@@ -68,14 +79,14 @@ def orthogonalize(updates: torch.Tensor, coefficients: str | tuple = "jordan", s
         eps: the least norm divided by.
 
     Returns:
-        (k, rows, cols) bf16. With "jordan" and 5 steps, bit for bit torch.optim.Muon's
-        result for each matrix (one matmul per matrix of the stack, the same order of
-        operations); stacked, a step calls 3 batched matmuls per shape and iteration where
-        torch calls 3 per matrix.
+        (k, rows, cols) in that dtype. With "jordan", 5 steps and bf16, bit for bit
+        torch.optim.Muon's result for each matrix (one matmul per matrix of the stack, the
+        same order of operations); stacked, a step calls 3 batched matmuls per shape and
+        iteration where torch calls 3 per matrix.
     """
     scale, table = (NS_COEFFICIENTS[coefficients] if isinstance(coefficients, str)
                     else (1.0, (tuple(coefficients),)))
-    x = updates.bfloat16()
+    x = updates.to(newton_schulz_dtype(updates.device))
     tall = updates.size(-2) > updates.size(-1)
     if tall:  # the Gram matrix of the shorter side
         x = x.mT
@@ -214,7 +225,8 @@ def sharded_orthogonalize(params: list[torch.Tensor], updates: list[torch.Tensor
     The k matrices of one shape get owners in blocks (matrix j: rank j // ceil(k / W) of W
     ranks). One all-to-all brings every owner the rows of its matrices; it orthogonalizes
     them stacked, and a second all-to-all returns every rank its rows of each update. bf16
-    both ways: `orthogonalize` rounds its input to bf16 first and returns bf16, so the
+    both ways (float32 without bf16 units): `orthogonalize` rounds its input so first and
+    returns that dtype, so the
     result is the unsharded one (nanochat's and torchtitan's dion Muon do the same rounds
     with reduce-scatter / all-gather around the DDP gradient reduction).
 
@@ -223,7 +235,8 @@ def sharded_orthogonalize(params: list[torch.Tensor], updates: list[torch.Tensor
         updates: this rank's rows of each parameter's update, in `params`' order.
 
     Returns:
-        This rank's rows of each orthogonalized update (bf16), in `params`' order.
+        This rank's rows of each orthogonalized update (`newton_schulz_dtype`), in `params`'
+        order.
     """
     mesh = params[0].device_mesh
     if mesh.ndim != 1 or any(not isinstance(p, DTensor) or p.device_mesh != mesh
@@ -251,7 +264,8 @@ def _owners_orthogonalize(shards: list[torch.Tensor], rows: int, cols: int, mesh
     world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     per_owner, chunk = -(-len(shards) // world), -(-rows // world)  # ceil: torch.chunk's rows
     # (owner, slot, chunk rows, cols): an owner's slot s is matrix owner * per_owner + s
-    outgoing = shards[0].new_zeros(world, per_owner, chunk, cols, dtype=torch.bfloat16)
+    outgoing = shards[0].new_zeros(world, per_owner, chunk, cols,
+                                   dtype=newton_schulz_dtype(shards[0].device))
     for j, shard in enumerate(shards):
         outgoing[j // per_owner, j % per_owner, :shard.size(0)] = shard
     incoming = torch.empty_like(outgoing)  # (sender, slot, chunk rows, cols)
