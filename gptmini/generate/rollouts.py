@@ -76,7 +76,7 @@ class Rollouts:
 @torch.no_grad()
 def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], group_size: int, *,
             max_new_tokens: int, stop_ids: Sequence[int], seed: int,
-            block_size: int = 16) -> Rollouts:
+            temperature: float = 1.0, block_size: int = 16) -> Rollouts:
     """Sample `group_size` completions of each prompt from `model` through one `Engine`.
 
     Args:
@@ -87,6 +87,8 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], group_size: int,
         max_new_tokens: most tokens per completion (its stop id included).
         stop_ids: the ids that end a completion (the chat template's stop tokens).
         seed: sample i of the call draws from the stream of `seed + i`.
+        temperature: 1 for training (the distribution the trainer's log-probabilities
+            describe); 0 for greedy decoding (evaluation).
         block_size: the engine's KV block size.
     """
     if group_size < 1:
@@ -102,7 +104,8 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], group_size: int,
     engine = Engine(model, block_size=block_size, max_batch=len(prompts) * group_size)
     requests = []
     for i, prompt in enumerate(p for p in prompts for _ in range(group_size)):
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed + i,
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed + i,
                                 stop_ids=tuple(stop_ids), logprobs=0)
         requests.append(engine.add_request(prompt, params))
     try:
