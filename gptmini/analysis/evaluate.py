@@ -40,6 +40,7 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
 from gptmini.data.chat import read_records as read_chat_records
@@ -483,6 +484,14 @@ def evaluate_parser() -> argparse.ArgumentParser:
                              "with no value the test split of the run's chat records (the "
                              "book's 10%% for other checkpoints), or a .jsonl/.json file of "
                              "chat or Alpaca records")
+    parser.add_argument("--preference", nargs="?", const="auto", default=None,
+                        help="score preference pairs (accuracy, mean margin): with no value "
+                             "the test split of the run's pairs (the book's 10%% for other "
+                             "checkpoints), or a .jsonl/.json file of pairs")
+    parser.add_argument("--reference", default=None,
+                        help="with --preference: the model the margins are measured against "
+                             "(a checkpoint, or none for the model's own log-probability "
+                             "margins); default: a preference run's starting weights")
     parser.add_argument("--split", default="validation", help="the hub dataset's split")
     parser.add_argument("--limit", type=int, default=None, help="score the first N examples")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -510,6 +519,8 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             score = score_choices(model, tokenizer, examples, total=len(examples))
             return say(f"{name}: {score.examples:,} examples\n"
                        f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
+        if args.preference is not None:
+            return _print_preferences(model, tokenizer, loaded_hparams, args)
         hparams = run_data_settings(args.checkpoint)
         if args.responses is None and args.data is None and hparams.get("records"):
             args.responses = "auto"  # a run on chat records: its held-out responses
@@ -560,6 +571,24 @@ def _print_responses(model: nn.Module, tokenizer: Encoding, hparams: dict,
     print(f"{name}, template {template.name}: {score.responses:,} responses, "
           f"{score.tokens:,} tokens, {score.bytes:,} bytes{skipped}\n"
           f"response loss {score.loss:.4f}  bits per byte {score.bpb:.4f}")
+    return 0
+
+
+def _print_preferences(model: nn.Module, tokenizer: Encoding, hparams: dict,
+                       args: argparse.Namespace) -> int:
+    template = template_for(tokenizer, hparams)
+    pairs, skipped, name = held_out_pairs(args.preference, run_data_settings(args.checkpoint),
+                                          tokenizer, template, model.cfg.context_length)
+    pairs.pairs = pairs.pairs[:args.limit]
+    reference, against = reference_model(args.reference, hparams, model)
+    dpo = hparams.get("dpo") or {}
+    beta, variant = dpo.get("beta", 0.1), dpo.get("variant", "paper")
+    accuracy, margin = score_preferences(model, pairs, reference=reference, beta=beta,
+                                         average=variant == "book", batch_size=args.batch_size)
+    left = f", {skipped:,} left out (too long, or the same twice)" if skipped else ""
+    how = f"{against}, beta {beta}, {variant}" if reference is not None else against
+    print(f"{name}, template {template.name}: {len(pairs):,} pairs{left}; {how}\n"
+          f"preference accuracy {accuracy:.4f}  mean margin {margin:.4f}")
     return 0
 
 
