@@ -22,8 +22,8 @@ import torch
 from machine import cpu_description
 
 from gptmini.attention import KVCache
-from gptmini.attention.deltanet import DeltaNetState
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.variants.deltanet import DeltaNetState
 
 SHAPES = {
     "default (configs/shakespeare-cpu.yaml)": dict(emb_dim=256, n_heads=4, n_layers=4,

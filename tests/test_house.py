@@ -1,10 +1,15 @@
 """The README's map of the house matches the house: its tree names every package of gptmini/
 and nothing that is not there, every docs page is linked from it, every link and path the
-pages name exists, the reading path's line count is the code's, and the architecture page's
-table of who imports whom is the code's and points one way."""
+pages name exists, the reading path's line counts are what the book's imports load, the
+architecture page's table of who imports whom is the code's and points one way, and nothing
+outside the model's tables branches on a mixer's or feed-forward's name."""
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,15 +101,51 @@ def test_every_repository_path_the_pages_name_exists():
     assert missing == []
 
 
-def test_the_reading_paths_line_count_is_the_codes():
-    text = section(REPO / "README.md", "The reading path of an afternoon")
-    stated = int(re.search(r"([\d,]+) lines", text).group(1).replace(",", ""))
-    files = [*(PACKAGE / "attention").rglob("*.py"), *(PACKAGE / "model").rglob("*.py")]
-    counted = sum(len(f.read_text().splitlines()) for f in files)
-    assert abs(stated - counted) <= 0.1 * counted, (
-        f"the README says {stated} lines, wc -l counts {counted}: measure again with the "
-        "command it names and update the figure and the commit")
-    assert "find gptmini/attention gptmini/model -name" in " ".join(text.split())
+READING_PATHS = {  # the book's two imports, as a reader types them
+    "attention": "from gptmini.attention import MultiHeadAttention",
+    "model": "from gptmini.model import GPTModel",
+}
+CEILINGS = {"attention": 1_520, "model": 2_600}
+"""The most lines each import may load: issue 44's goals, 1,500 and 2,600; the attention
+import's stands 19 above its goal (what attention itself keeps of the engine's packed row,
+the `Ragged` protocol, and the tables' machinery that lets kernels and schemes load on use):
+lower it when they shrink."""
+
+
+def loaded_by(statement: str) -> dict[str, int]:
+    """The gptmini modules a fresh interpreter has loaded after `statement`, and each one's
+    lines (comments and docstrings included)."""
+    code = (f"import json, sys\n{statement}\nprint(json.dumps([m.__file__ for name, m in "
+            "sys.modules.items() if name == 'gptmini' or name.startswith('gptmini.')]))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    files = json.loads(done.stdout.splitlines()[-1])
+    return {str(Path(f).relative_to(REPO)): len(Path(f).read_text().splitlines()) for f in files}
+
+
+OFF_PATH = ("variants/", "kernels/flex", "kernels/tiled", "positions/rope", "positions/alibi",
+            "sinks", "gate", "norm", "window_cache")
+"""What the book's imports never load: it loads when a config or a call names it."""
+
+
+def test_the_reading_paths_line_counts_are_what_the_imports_load():
+    """The README's figures for the book's two imports are the lines those imports load in
+    a fresh interpreter, within the ceilings, and nothing off the book's path is among them
+    (a variant, a kernel, a scheme or an option loads only when a config names it)."""
+    text = " ".join(section(REPO / "README.md", "The reading path of an afternoon").split())
+    for unit, statement in READING_PATHS.items():
+        loaded = loaded_by(statement)
+        counted = sum(loaded.values())
+        found = re.search(rf"`{re.escape(statement)}` loads (\d+) modules(?: of gptmini)?, "
+                          r"([\d,]+) lines", text)
+        assert found, f"the README's reading path does not give the figure of `{statement}`"
+        modules, lines = int(found.group(1)), int(found.group(2).replace(",", ""))
+        assert (modules, abs(lines - counted) <= 0.02 * counted) == (len(loaded), True), (
+            f"the README says `{statement}` loads {modules} modules, {lines} lines; it loads "
+            f"{len(loaded)}, {counted} lines: write the measured figure")
+        assert counted <= CEILINGS[unit], sorted(loaded.items(), key=lambda kv: -kv[1])
+        assert [name for name in OFF_PATH if name in " ".join(loaded)] == [], statement
 
 
 def imports_of(unit: Path) -> set[str]:
@@ -135,3 +176,69 @@ def test_the_architecture_pages_import_table_is_the_codes_and_points_one_way():
     units = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     units |= {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
     assert units == set(order), f"the table lacks {sorted(units - set(order))}"
+
+
+TABLE_MODULES = {"gptmini/model/mixers.py", "gptmini/model/feedforward.py"}
+"""Where a mixer's or a feed-forward's name may be read: their tables (and the variants'
+own files, each its table entry's object)."""
+PART_NAMES = {"mla", "deltanet", "gelu", "swiglu", "relu2"}  # ("attention" is every word's)
+PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank"}
+PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet",
+                "GatedDeltaNetLayer", "DeltaNetState", "TransformerBlock", "FeedForward",
+                "SwiGLU"}
+
+
+def name_branches(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every comparison against a mixer's or feed-forward's name or the
+    fields that name them (`"deltanet" in cfg.layer_kinds`, `cfg.mlp == "swiglu"`,
+    `cfg.mla_kv_lora_rank is not None`, `cfg.layer_kind(i) == ...`, the same through
+    getattr), and every isinstance on their modules' classes."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            named = any(isinstance(p, ast.Constant) and p.value in PART_NAMES for p in parts)
+            for sub in (s for p in parts for s in ast.walk(p)):
+                named |= isinstance(sub, ast.Attribute) and sub.attr in PART_FIELDS
+                named |= (isinstance(sub, ast.Call) and (
+                    getattr(sub.func, "attr", None) == "layer_kind"
+                    or (getattr(sub.func, "id", None) == "getattr" and len(sub.args) > 1
+                        and getattr(sub.args[1], "value", None) in PART_FIELDS)))
+            if named:
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+              and len(node.args) == 2
+              and {getattr(n, "id", None) for n in ast.walk(node.args[1])} & PART_CLASSES):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_nothing_outside_the_tables_branches_on_a_mixers_or_feed_forwards_name():
+    """Each layer's token mixer and feed-forward is an object the code asks (issue 44): a
+    branch on their names or classes anywhere else (model, engine, generation, training,
+    conversion) is a new variant wired through the core by hand."""
+    branches = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        where = str(file.relative_to(REPO))
+        if where in TABLE_MODULES or where.startswith("gptmini/variants/"):
+            continue
+        branches += [f"{where}:{line}: {code}"
+                     for line, code in name_branches(ast.parse(file.read_text()))]
+    assert branches == [], "ask the layer's mixer or feed-forward object instead:\n" + \
+        "\n".join(branches)
+
+
+def test_the_branch_check_catches_what_it_forbids():
+    """Each of issue 44's sites, as they were written, is caught; asking an object is not."""
+    caught = ['if cfg.layer_kind(i) == "deltanet": pass',
+              'if "deltanet" in (model.cfg.layer_kinds or ()): pass',
+              'if getattr(model.cfg, "mla_kv_lora_rank", None) is not None: pass',
+              'if model.cfg.mla_kv_lora_rank is not None: pass',
+              'x = 3 if cfg.mlp == "swiglu" else 2',
+              'if kind == "deltanet": pass',
+              'if isinstance(block, DeltaNetBlock) or isinstance(att, MultiHeadAttention): pass']
+    for code in caught:
+        assert name_branches(ast.parse(code)), code
+    fine = ["if not mixer.pageable: pass", 'if args.command == "attention": pass',
+            "x = mixer.flops_per_token(i, seq_len)"]
+    assert [code for code in fine if name_branches(ast.parse(code))] == []

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gptmini"
 
 LAYERS = [
     "attention",   # the book's module, context, masks, positions, kernels
-    "model",       # GPTConfig, blocks, GPTModel, FLOP counts
+    "model",       # GPTConfig, the mixer and feed-forward tables, blocks, GPTModel, FLOPs
+    "variants",    # beyond the book, by family: MLA, Gated DeltaNet (named by the tables)
     "tokenizer",
     "threads",
     "runtime",     # the machine: device, precision, peak FLOP/s
@@ -29,7 +30,7 @@ LAYERS = [
 ]
 """Lowest first: a package may import the packages before it, never one after it."""
 
-ONLY_TORCH = ("attention", "model")
+ONLY_TORCH = ("attention", "model", "variants")
 
 
 def module_name(path: Path) -> str:

@@ -15,10 +15,9 @@ and makes the mask's per-kernel forms lazily, once, for every layer to share:
 
     dense()          (b, 1, num_tokens, num_keys) booleans: the explicit path and SDPA
     float_mask(...)  an additive modifier and the mask as one float bias, for SDPA
-    block_mask()     a FlexAttention BlockMask
-    tile_plan(tile)  which tiles the tiled kernel skips, computes whole, or masks
     empty_rows()     (b, num_tokens): queries the mask leaves no key (left padding)
-    once(key, make)  anything else every layer shares: a rotary scheme's angles
+    once(key, make)  anything else every layer shares: a rotary scheme's angles, flex's
+                     BlockMask, the tiled kernel's plan (each kernel makes its own form)
 
 Positions are absolute within a call: the queries are the last num_tokens of num_keys
 positions (the keys before them are in a KV cache).
@@ -28,7 +27,6 @@ layer runs on exactly the tokens there are; its context carries a `Ragged` layou
 which attention reads them one sequence per row (see `Ragged`).
 """
 
-import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
@@ -36,9 +34,10 @@ import torch
 from torch import Tensor
 
 from gptmini.attention import masks
+from gptmini.attention.errors import ArgumentError
 from gptmini.attention.positions import NoPositions, PositionScheme
 
-__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "layer_context",
+__all__ = ["AttentionContext", "AttentionSettings", "Ragged", "check_window", "layer_context",
            "positions_in_documents"]
 
 
@@ -58,9 +57,7 @@ class AttentionSettings:
     """Soft-cap the scaled scores at this value (cap * tanh(score / cap)); None: no cap."""
 
     def __post_init__(self):
-        if self.window_size is not None and self.window_size < 1:
-            raise ValueError(f"window_size must be at least 1, got {self.window_size}; "
-                             "use None for full causal attention")
+        check_window(self.window_size)
 
     def __str__(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -88,6 +85,18 @@ class AttentionSettings:
         if self.softcap is not None:
             mods.append(masks.softcap(self.softcap))
         return None if not mods else mods[0] if len(mods) == 1 else masks.chain(*mods)
+
+
+def check_window(window: int | None) -> None:
+    """A sliding window's rule: a positive number of keys, or None for all of them.
+
+    Raises:
+        ArgumentError: naming window_size.
+    """
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window < 1):
+        raise ArgumentError("window_size", window, "use a positive integer, or None for every "
+                            "key (full causal attention)")
 
 
 class AttentionContext:
@@ -253,31 +262,6 @@ class AttentionContext:
         return self.once("empty_rows", lambda: ~masks.rows_with_keys(
             self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
 
-    def block_mask(self):
-        """The mask as a FlexAttention BlockMask, or None for all keys. A mask that reads no
-        data (causal, window) is the same for every batch: built once per shape."""
-        if self.mask is None:
-            return None
-        if not self.data_dependent:
-            return _fixed_block_mask(self.settings.causal, self.settings.window_size,
-                                     self.num_tokens, self.num_keys, str(self.device))
-        return self.once("block_mask", lambda: masks.block_mask(
-            self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
-
-    def tile_plan(self, tile: int) -> tuple[Tensor, Tensor] | None:
-        """(some, every) per (query tile, key tile), on the host (see masks.tile_plan), or
-        None for all keys."""
-        if self.mask is None:
-            return None
-
-        def plan():
-            some, every = masks.tile_plan(self.mask, self.batch, self.num_tokens,
-                                          self.num_keys, tile, self.device)
-            return some.cpu(), every.cpu()  # read once, on the host
-
-        return self.once(("tile_plan", tile), plan)
-
-
 def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
                   num_cached: int, *, context: AttentionContext | None, uses_cache: bool,
                   attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
@@ -298,23 +282,23 @@ def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
             without a context (a context holds them already).
 
     Raises:
-        ValueError: more positions than context_length (the fix: crop the input), arguments
+        ValueError: without a context, more positions than context_length (the fix: crop
+            the input; a pass's context was checked once, where it was built); arguments
             beside a context, or a context of another shape or of other settings than a
             window.
     """
     b, num_tokens = x.shape[:2]
-    if context is not None and context.ragged is not None:
-        # an engine step: its sequences' lengths are checked there
-        num_cached = context.num_keys - num_tokens
-    elif num_cached + num_tokens > context_length:
-        raise ValueError(
-            f"attention got {num_cached + num_tokens} positions but context_length is "
-            f"{context_length}; crop the input to its last {context_length} tokens")
     if context is None:
+        if num_cached + num_tokens > context_length:
+            raise ValueError(
+                f"attention got {num_cached + num_tokens} positions but context_length is "
+                f"{context_length}; crop the input to its last {context_length} tokens")
         return AttentionContext.build(
             b, num_tokens, num_cached, settings=settings, attention_mask=attention_mask,
             document_ids=document_ids, uses_cache=uses_cache, positions=positions,
             device=x.device)
+    if context.ragged is not None:  # an engine step: its sequences are checked there
+        num_cached = context.num_keys - num_tokens
     if attention_mask is not None or document_ids is not None or positions is not None:
         raise ValueError("pass attention_mask, document_ids and positions to "
                          "AttentionContext.build, not beside a context that holds them")
@@ -327,18 +311,6 @@ def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
     if context.settings != settings:  # a layer with its own window, or a mistake
         return context.for_layer(settings)
     return context
-
-
-@functools.lru_cache(maxsize=16)
-def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_keys: int,
-                      device: str):
-    # Causal and window block masks depend only on the shape: one per shape for the process
-    # (a pure memo of an immutable value, thread-safe), so compiled flex finds it again.
-    parts = [masks.causal if causal else masks.full]
-    if window is not None and num_keys > window:
-        parts.append(masks.sliding_window(window))
-    mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
-    return masks.block_mask(mask, None, num_tokens, num_keys, device)
 
 
 class Ragged(Protocol):

@@ -19,6 +19,8 @@ kernel: every kernel runs it.
 import torch
 from torch import Tensor, nn
 
+from gptmini.attention.errors import ArgumentError
+
 __all__ = ["GATES", "OutputGate"]
 
 GATES = ("none", "headwise", "elementwise")
@@ -38,7 +40,7 @@ class OutputGate(nn.Module):
     def __init__(self, d_in: int, num_heads: int, head_dim: int, kind: str, bias: bool = False):
         super().__init__()
         if kind not in GATES[1:]:
-            raise ValueError(f"gate must be one of {', '.join(GATES)}, got {kind!r}")
+            raise ArgumentError("gate", kind, f"use one of {', '.join(GATES)}")
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
         width = num_heads * head_dim if kind == "elementwise" else num_heads
         self.W_gate = nn.Linear(d_in, width, bias=bias)

@@ -1,7 +1,7 @@
-"""The KV cache: what attention needs of one (`BaseKVCache`: the contiguous `KVCache` here
-and the engine's paged view, gptmini.generate.engine.paged.PagedView), the contiguous
-cache of one attention layer, grown by doubling, and `WindowKVCache`, a sliding-window
-layer's, which holds only its window.
+"""The KV cache: what attention needs of one (`BaseKVCache`: the contiguous `KVCache` here,
+a sliding-window layer's `WindowKVCache` (window_cache.py), the engine's paged view
+gptmini.generate.engine.paged.PagedView), and the contiguous cache of one attention layer,
+grown by doubling.
 
 Shapes: keys and values (b, num_kv_heads, num_keys, head_dim), positions (b, num_keys).
 """
@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-__all__ = ["BaseKVCache", "KVCache", "WindowKVCache"]
+__all__ = ["BaseKVCache", "KVCache"]
 
 
 class BaseKVCache(ABC):
@@ -110,7 +110,7 @@ class KVCache(BaseKVCache):
         if not track:
             self._positions = None
         if end > self._keys.shape[2] or self._keys.requires_grad:
-            self._grow(end)
+            self.regrow(end)
         self._keys[:, :, start:end] = keys
         self._values[:, :, start:end] = values
         if track:
@@ -128,13 +128,14 @@ class KVCache(BaseKVCache):
             self._positions = self._positions[:, n:]
         self._len -= n
 
-    def _capacity(self, needed: int) -> int:
-        """Tokens of a new buffer for `needed`: doubling, so appends cost O(1) amortized."""
+    def capacity_for(self, needed: int) -> int:
+        """Tokens of a new buffer for `needed`: doubling, so appends cost O(1) amortized (a
+        subclass that holds a window sizes it otherwise)."""
         return max(needed, 2 * self._len, 64)
 
-    def _grow(self, needed: int):
-        # (b, num_kv_heads, capacity, head_dim)
-        capacity = self._capacity(needed)
+    def regrow(self, needed: int) -> None:
+        """Copy the held tokens into fresh buffers of `capacity_for(needed)` tokens."""
+        capacity = self.capacity_for(needed)  # (b, num_kv_heads, capacity, head_dim)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
@@ -144,58 +145,3 @@ class KVCache(BaseKVCache):
             old = self._positions
             self._positions = old.new_empty(old.shape[0], capacity)
             self._positions[:, : self._len] = old[:, : self._len]
-
-
-class WindowKVCache(KVCache):
-    """The KV cache of a sliding-window layer: it holds only the `window - 1` newest tokens,
-    all a next query can see besides itself (Gemma 3's and gpt-oss's local layers).
-
-    `len(cache)` still counts every token seen, so positions continue; `update` returns
-    the held tokens and the new ones, and attention masks over just those. Its buffer holds
-    the window and a quarter more (16 tokens at least): what falls out is dropped as a
-    view, and when an append outgrows the buffer the held tokens are copied to a fresh one;
-    a long prompt's keys are copied out at once.
-    """
-
-    def __init__(self, window: int):
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        super().__init__()
-        self.window = window
-        self.keep = max(window - 1, 1)  # one at least: positions continue from the newest
-        self._forgotten = 0  # tokens seen but no longer held
-
-    def __len__(self) -> int:
-        return self._forgotten + self._len
-
-    def __repr__(self) -> str:
-        return f"WindowKVCache(window={self.window}, seen={len(self)}, held={self._len})"
-
-    @property
-    def num_held(self) -> int:
-        """Tokens whose keys and values are held (at most window - 1)."""
-        return self._len
-
-    def update(self, keys: Tensor, values: Tensor,
-               positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        keys, values = super().update(keys, values, positions)
-        excess = self._len - self.keep
-        if excess > 0:
-            super().drop_oldest(excess)  # views: the keys returned stay valid
-            self._forgotten += excess
-            if excess > self.keep and not torch.is_grad_enabled():
-                self._grow(self._len)  # a long prompt's buffer: keep a window-sized copy
-        return keys, values
-
-    def _capacity(self, needed: int) -> int:
-        # the window and a quarter more (16 tokens at least): the held tokens are copied
-        # to a fresh buffer once per that many appends, a few tokens' copy per append
-        return max(needed, self.keep + max(self.keep // 4, 16))
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the `n` oldest tokens seen (slide="roll"): those no longer held first."""
-        if n <= 0:
-            return
-        gone = min(n, self._forgotten)
-        self._forgotten -= gone
-        super().drop_oldest(n - gone)

@@ -7,8 +7,10 @@ broadcast against each other, or scalars inside FlexAttention. Masks combine wit
 `and_masks` and `or_masks`, and one definition serves every attention kernel:
 
     dense        a (b, 1, num_tokens, num_keys) boolean tensor: the explicit path and SDPA
-    block_mask   a FlexAttention BlockMask (which 128 x 128 blocks to compute, which to skip)
-    tile_plan    which tiles the tiled kernel (flash.py) skips, computes whole, or masks
+    block_mask   a FlexAttention BlockMask (which 128 x 128 blocks to compute, which to
+                 skip): in gptmini.attention.kernels.flex, which alone reads it
+    tile_plan    which tiles the tiled kernel skips, computes whole, or masks: in
+                 gptmini.attention.kernels.tiled, which alone reads it
 
 Positions are absolute: the queries are the last `num_tokens` of `num_keys` positions (as
 with a KV cache), so query i sits at position num_keys - num_tokens + i. The masks:
@@ -47,7 +49,6 @@ __all__ = [
     "and_masks",
     "apply_score_mod",
     "chain",
-    "block_mask",
     "causal",
     "dense",
     "document",
@@ -59,7 +60,6 @@ __all__ = [
     "score_bias",
     "sliding_window",
     "softcap",
-    "tile_plan",
 ]
 
 
@@ -200,59 +200,6 @@ def dense(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None
     """The mask as a tensor, (batch, 1, num_tokens, num_keys) (heads broadcast)."""
     grids = index_grids(batch, 1, num_keys - num_tokens, num_tokens, 0, num_keys, device)
     return mask(*grids).expand(batch, 1, num_tokens, num_keys)
-
-
-def block_mask(mask: MaskMod, batch: int | None, num_tokens: int, num_keys: int, device=None,
-               block_size: int = 128):
-    """The mask as a FlexAttention BlockMask (batch None: the same for every row).
-
-    FlexAttention counts queries from 0; the mask counts absolute positions, so queries are
-    shifted by num_keys - num_tokens.
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    offset = num_keys - num_tokens
-    shifted = mask if offset == 0 else _shift_queries(mask, offset)
-    return create_block_mask(shifted, batch, None, num_tokens, num_keys, device=device,
-                             BLOCK_SIZE=block_size)
-
-
-def _shift_queries(mask: MaskMod, offset: int) -> MaskMod:
-    def shifted(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return mask(b, h, q_idx + offset, kv_idx)
-
-    return shifted
-
-
-def tile_plan(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, tile: int,
-              device=None) -> tuple[Tensor, Tensor]:
-    """For each (query tile, key tile): may any query attend any key in it, and may all?
-
-    Evaluates the mask one row of tiles at a time, so memory stays (batch, tile, num_keys).
-
-    Returns:
-        (some, every), each (num_tokens / tile, num_keys / tile) booleans (tiles rounded up),
-        over the whole batch: a tile is skipped only if no row of the batch needs it, and
-        computed without the mask only if every row may attend all of it.
-    """
-    first = num_keys - num_tokens
-    q_tiles, k_tiles = -(-num_tokens // tile), -(-num_keys // tile)
-    some = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
-    every = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
-    b = torch.arange(batch, device=device)[:, None, None, None]
-    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
-    kv = torch.arange(num_keys, device=device)[None, None, None, :]
-    pad = k_tiles * tile - num_keys  # the last tile may be short: pad it with its own values
-    for i in range(q_tiles):
-        q = torch.arange(first + i * tile, first + min((i + 1) * tile, num_tokens),
-                         device=device)[None, None, :, None]
-        allowed = mask(b, h, q, kv).expand(batch, 1, q.shape[2], num_keys)
-        if pad:  # repeat the last key's column: it changes neither "any" nor "all"
-            allowed = torch.cat([allowed, allowed[..., -1:].expand(*allowed.shape[:3], pad)], -1)
-        tiles = allowed.reshape(batch, q.shape[2], k_tiles, tile)  # (batch, tile, k_tiles, tile)
-        some[i] = tiles.any(dim=3).any(dim=1).any(dim=0)
-        every[i] = tiles.all(dim=3).all(dim=1).all(dim=0)
-    return some, every
 
 
 def rows_with_keys(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None,

@@ -25,16 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
-from gptmini.attention.gate import GATES, OutputGate
+from gptmini.attention.errors import ArgumentError
 from gptmini.attention.kernels import KERNELS, attend, backend_name, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
-from gptmini.attention.norm import RMSNorm
-from gptmini.attention.positions import (
-    AlibiPositions,
-    NoPositions,
-    PositionScheme,
-    RotaryPositions,
-)
+from gptmini.attention.positions import SCHEMES, NoPositions, PositionScheme
 
 BACKENDS = tuple(KERNELS)
 """The built-in kernels' names (gptmini.attention.kernels.KERNELS)."""
@@ -104,10 +98,9 @@ class MultiHeadAttention(nn.Module):
         gate: str = "none",
     ):
         super().__init__()
-        if gate not in GATES:
-            raise ValueError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_heads(d_out, num_heads, num_kv_heads, dropout)
+        check_heads(d_out, num_heads, num_kv_heads)
+        check_dropout(dropout)
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -115,7 +108,6 @@ class MultiHeadAttention(nn.Module):
         self.context_length = context_length
         scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
         self.settings = AttentionSettings(causal, window_size, scheme, softcap)
-        self.backend = backend  # builds self.kernel
 
         kv_dim = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -124,15 +116,19 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         if qk_norm:  # one gain per head dimension, shared by the heads
+            from gptmini.attention.norm import RMSNorm  # (loaded by the option that needs it)
+
             self.q_norm = RMSNorm(self.head_dim, eps=1e-6)
             self.k_norm = RMSNorm(self.head_dim, eps=1e-6)
         self.qk_norm = qk_norm
         # after the book's weights, which keep their order; zeros: no random numbers drawn
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
-        if sinks:
-            self.backend = backend  # again: the kernel must be able to add them
-        self.gate = (None if gate == "none" else
-                     OutputGate(d_in, num_heads, self.head_dim, gate, bias=qkv_bias))
+        self.gate = None
+        if gate != "none":
+            from gptmini.attention.gate import OutputGate  # (checks the name against GATES)
+
+            self.gate = OutputGate(d_in, num_heads, self.head_dim, gate, bias=qkv_bias)
+        self.backend = backend  # builds self.kernel, once the sinks it must add are known
         # The book registers its triangular mask as a buffer; here masks are built per call
         # (gptmini.attention.context), so they also cover caches, windows, padding and
         # documents, and checkpoints do not carry a context_length^2 tensor per layer. The
@@ -232,19 +228,28 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if return_weights else out
 
 
-def _check_heads(d_out: int, num_heads: int, num_kv_heads: int, dropout: float) -> None:
-    if num_heads < 1 or d_out % num_heads != 0:
-        raise ValueError(
-            f"d_out must be divisible by num_heads, got d_out={d_out}, "
-            f"num_heads={num_heads}; pick num_heads among the divisors of d_out"
-        )
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
-            f"num_kv_heads={num_kv_heads}; use a divisor of num_heads (1 = multi-query)"
-        )
+def check_heads(d_out: int, num_heads: int, num_kv_heads: int) -> None:
+    """The heads' rule: query heads divide the width, key/value heads divide the query heads.
+
+    Raises:
+        ArgumentError: naming num_heads or num_kv_heads.
+    """
+    if not isinstance(num_heads, int) or num_heads < 1 or d_out % num_heads != 0:
+        raise ArgumentError("num_heads", num_heads,
+                            f"it must divide the width ({d_out}): pick one of its divisors")
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ArgumentError("num_kv_heads", num_kv_heads, f"use a divisor of the {num_heads} "
+                            "query heads (1: multi-query attention)")
+
+
+def check_dropout(dropout: float) -> None:
+    """The attention dropout's rule: a rate in [0, 1) (NaN fails it too).
+
+    Raises:
+        ArgumentError: naming dropout.
+    """
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        raise ArgumentError("dropout", dropout, "use a number in [0, 1)")
 
 
 def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, alibi: bool,
@@ -257,9 +262,9 @@ def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, al
         raise ValueError(f"{' and '.join(given)} each choose how positions enter: pass one "
                          "(rope_theta and alibi are short for a position_scheme)")
     if rope_theta is not None:
-        return RotaryPositions(head_dim=head_dim, theta=rope_theta)
+        return SCHEMES["rope"](head_dim=head_dim, theta=rope_theta)
     if alibi:
-        return AlibiPositions(num_heads=num_heads)
+        return SCHEMES["alibi"](num_heads=num_heads)
     return NoPositions() if scheme is None else scheme
 
 

@@ -3,7 +3,7 @@
 A GPTConfig with `mla_kv_lora_rank` set, rotary positions, RMSNorm, SwiGLU and no biases is
 a DeepSeek-V3 whose every layer is dense: `first_k_dense_replace = num_hidden_layers`, so
 that no layer has a mixture of experts (gptmini has none). Its attention parameters already
-carry DeepSeek's names (gptmini.attention.latent), so the table below is the block's frame
+carry DeepSeek's names (gptmini.variants.latent), so the table below is the block's frame
 (norms, MLP, embeddings) plus `o_proj`, gptmini's `out_proj`.
 
 Rotary layout: DeepSeek's checkpoints rotate interleaved pairs (2i, 2i + 1) of the rotary
@@ -27,6 +27,7 @@ from torch import Tensor
 from gptmini.convert.llama import TABLE as LLAMA_TABLE
 from gptmini.convert.llama import interleaved_to_halves, rope_base
 from gptmini.convert.weights import (
+    Layout,
     config_integer,
     config_number,
     model_from_weights,
@@ -34,8 +35,8 @@ from gptmini.convert.weights import (
 )
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["DEEPSEEK", "LATENT_NORM_EPS", "config_from_deepseek", "config_to_deepseek",
-           "from_deepseek_state_dict", "to_deepseek_state_dict"]
+__all__ = ["DEEPSEEK", "LATENT_NORM_EPS", "LAYOUTS", "config_from_deepseek", "config_to_deepseek",
+           "from_deepseek_state_dict", "latent_dims", "to_deepseek_state_dict"]
 
 LATENT_NORM_EPS = 1e-6
 """The epsilon of MLA's latent RMSNorms (MultiHeadLatentAttention's default, DeepSeek's);
@@ -69,6 +70,12 @@ def _expand(cfg: GPTConfig) -> list[tuple[str, str]]:
     table = _FRAME + (_FULL_QUERY if cfg.mla_q_lora_rank is None else _QUERY_LATENT)
     return [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in table
             for i in (range(cfg.n_layers) if "{i}" in ours else [0])]
+
+
+def latent_dims(cfg: GPTConfig) -> dict:
+    """The sizes of `cfg`'s multi-head latent attention, defaults filled in, under DeepSeek's
+    names (what its first layer's mixer works out: gptmini.variants.latent)."""
+    return cfg.mixers()[0].dims
 
 
 def config_from_deepseek(hf_config: Mapping) -> GPTConfig:
@@ -136,9 +143,11 @@ def config_to_deepseek(cfg: GPTConfig) -> dict:
         ValueError: `cfg` has no multi-head latent attention, or options DeepSeek-V3 lacks
             (each named, with the value it needs).
     """
-    if cfg.mla_kv_lora_rank is None:
-        raise ValueError("DeepSeek-V3's layout holds multi-head latent attention; this model "
-                         "has none (GPTConfig.mla_kv_lora_rank is None)")
+    mixers = cfg.mixers()
+    if any(mixer.hf_layout != "deepseek_v3" for mixer in mixers):
+        raise ValueError("DeepSeek-V3's layout holds multi-head latent attention in every "
+                         f"layer; this model has {', '.join(sorted({m.title for m in mixers}))} "
+                         "(GPTConfig.mla_kv_lora_rank, layer_kinds)")
     differ = [f"{k}={getattr(cfg, k)!r}" for k, v in DEEPSEEK.items() if getattr(cfg, k) != v]
     if differ:
         raise ValueError(
@@ -146,7 +155,7 @@ def config_to_deepseek(cfg: GPTConfig) -> dict:
             "RMSNorm (epsilon 1e-6, its latents' too), SwiGLU, no biases, no soft-cap, window, "
             f"sinks or gate; this model has {', '.join(differ)}. Export it with "
             + ", ".join(f"{k}={v!r}" for k, v in DEEPSEEK.items()))
-    dims = cfg.mla_dims
+    dims = mixers[0].dims
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return {
         "model_type": "deepseek_v3",
@@ -174,11 +183,10 @@ def config_to_deepseek(cfg: GPTConfig) -> dict:
     }
 
 
-def _rotary_rows(cfg: GPTConfig, name: str) -> tuple[int, int, int] | None:
+def _rotary_rows(cfg: GPTConfig, dims: dict, name: str) -> tuple[int, int, int] | None:
     """For a weight whose rows hold a rotary part: (groups, rows per group, where the
     rotary part starts in a group), or None. The query has one group per head, each
     [nope | rope]; kv_a_proj_with_mqa one group, [latent | rotary key]."""
-    dims = cfg.mla_dims
     if name.endswith(("att.q_proj.weight", "att.q_b_proj.weight")):
         return cfg.n_heads, dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"], \
             dims["qk_nope_head_dim"]
@@ -187,10 +195,11 @@ def _rotary_rows(cfg: GPTConfig, name: str) -> tuple[int, int, int] | None:
     return None
 
 
-def _reorder_rotary(weight: Tensor, cfg: GPTConfig, name: str, to_halves: bool) -> Tensor:
+def _reorder_rotary(weight: Tensor, cfg: GPTConfig, dims: dict, name: str, to_halves: bool
+                    ) -> Tensor:
     """`weight` with the rotary rows of every group turned from interleaved pairs into
     halves (`to_halves`) or back; other weights as they are."""
-    found = _rotary_rows(cfg, name)
+    found = _rotary_rows(cfg, dims, name)
     if found is None:
         return weight
     groups, per_group, start = found
@@ -209,7 +218,7 @@ def from_deepseek_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mappin
     """A `GPTModel` (eval mode) holding a dense `DeepseekV3ForCausalLM`'s weights."""
     cfg = config_from_deepseek(hf_config)
     interleaved = hf_config.get("rope_interleave", True)  # transformers' default
-    ours, seen = {}, set()
+    ours, seen, dims = {}, set(), latent_dims(cfg)
     for name, hf_name in _expand(cfg):
         if name == "out_head.weight" and cfg.tie_weights:
             continue
@@ -217,7 +226,7 @@ def from_deepseek_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mappin
             raise ValueError(f"the DeepSeek-V3 state dict has no {hf_name!r} (needed for "
                              f"{name})")
         weight = state_dict[hf_name]
-        ours[name] = _reorder_rotary(weight, cfg, name, to_halves=True) if interleaved \
+        ours[name] = _reorder_rotary(weight, cfg, dims, name, to_halves=True) if interleaved \
             else weight
         seen.add(hf_name)
     unknown = sorted(k for k in set(state_dict) - seen
@@ -231,8 +240,14 @@ def to_deepseek_state_dict(model: GPTModel) -> dict[str, Tensor]:
     `save_pretrained` does)."""
     cfg = model.cfg
     config_to_deepseek(cfg)  # raises for what DeepSeek-V3's layout cannot hold
-    ours = model.state_dict()
-    return {hf_name: _reorder_rotary(ours[name].detach(), cfg, name, to_halves=False)
+    ours, dims = model.state_dict(), latent_dims(cfg)
+    return {hf_name: _reorder_rotary(ours[name].detach(), cfg, dims, name, to_halves=False)
             .clone().contiguous()
             for name, hf_name in _expand(cfg)
             if not (name == "out_head.weight" and cfg.tie_weights)}
+
+
+LAYOUTS = {"deepseek_v3": Layout("DeepSeek-V3, every layer dense", "DeepseekV3",
+                                 config_from_deepseek, from_deepseek_state_dict,
+                                 config_to_deepseek, to_deepseek_state_dict)}
+"""The model_type this module reads and writes (gptmini.convert.weights.Layout)."""

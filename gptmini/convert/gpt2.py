@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gptmini.convert.weights import (
+    Layout,
     config_integer,
     config_number,
     model_from_weights,
@@ -25,7 +26,8 @@ from gptmini.convert.weights import (
 )
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["TABLE", "config_from_hf", "config_to_hf", "from_hf_state_dict", "to_hf_state_dict"]
+__all__ = ["LAYOUTS", "TABLE", "config_from_hf", "config_to_hf", "from_hf_state_dict",
+           "to_hf_state_dict"]
 
 # (gptmini name, Hugging Face name, Conv1D weight to transpose, third of c_attn or None).
 # Names under trf_blocks.{i} / h.{i} repeat for every layer.
@@ -220,3 +222,8 @@ def to_hf_state_dict(model: GPTModel) -> dict[str, Tensor]:
     for key, (q, k, v) in parts.items():
         out[key] = torch.cat([q, k, v], dim=-1).contiguous()
     return out
+
+
+LAYOUTS = {"gpt2": Layout("GPT-2", "GPT2", config_from_hf, from_hf_state_dict, config_to_hf,
+                          to_hf_state_dict)}
+"""The model_type this module reads and writes (gptmini.convert.weights.Layout)."""

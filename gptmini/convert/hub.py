@@ -13,39 +13,41 @@ from safetensors.torch import load_file, save_file
 from tiktoken import Encoding
 from torch import Tensor
 
-from gptmini.convert.deepseek import (
-    config_from_deepseek,
-    config_to_deepseek,
-    from_deepseek_state_dict,
-    to_deepseek_state_dict,
-)
-from gptmini.convert.gpt2 import (
-    config_from_hf,
-    config_to_hf,
-    from_hf_state_dict,
-    to_hf_state_dict,
-)
-from gptmini.convert.llama import (
-    config_from_llama,
-    config_to_llama,
-    from_llama_state_dict,
-    is_llama_architecture,
-    to_llama_state_dict,
-)
+from gptmini.convert.deepseek import LAYOUTS as DEEPSEEK_LAYOUTS
+from gptmini.convert.gpt2 import LAYOUTS as GPT2_LAYOUTS
+from gptmini.convert.llama import LAYOUTS as LLAMA_LAYOUTS
+from gptmini.convert.llama import is_llama_architecture
 from gptmini.convert.staging import staged_directory
 from gptmini.convert.weights import check_finite, check_float_weights
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
-__all__ = ["LAYOUTS", "export_hf", "load_hf", "model_type", "read_hf_config",
+__all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "read_hf_config",
            "read_hf_weights", "read_json_object",
            "write_tokenizer_files"]
 
 
-LAYOUTS = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3",
-           "deepseek_v3": "DeepSeek-V3, every layer dense"}
-"""The `model_type`s gptmini reads (Qwen3's is Llama's layout with QK-norm; DeepSeek-V3's
-is multi-head latent attention, gptmini.convert.deepseek)."""
+LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS}
+"""The `model_type`s gptmini reads and writes, each a `Layout` its module lists (GPT-2's;
+Llama's and Qwen3's, Llama's layout with QK-norm; DeepSeek-V3's, multi-head latent
+attention, every layer dense)."""
+
+
+def export_layout(model: GPTModel) -> str:
+    """The layout `model` exports as: the one its layers' mixers or its feed-forward name
+    (`hf_layout`: multi-head latent attention's is DeepSeek-V3's), else Llama's for a model
+    of Llama's architecture and GPT-2's for any other (whose checks name what does not fit).
+
+    Raises:
+        ValueError: its parts name two layouts.
+    """
+    named = {part.hf_layout for part in (*model.mixers, model.feed_forward)} - {None}
+    if len(named) > 1:
+        raise ValueError(f"this model's layers belong to {len(named)} Hugging Face layouts "
+                         f"({', '.join(sorted(named))}); no one layout holds it")
+    if named:
+        return named.pop()
+    return "llama" if is_llama_architecture(model.cfg) else "gpt2"  # by their frames
 
 
 def load_hf(directory: str | Path) -> GPTModel:
@@ -60,14 +62,10 @@ def load_hf(directory: str | Path) -> GPTModel:
     """
     directory = Path(directory)
     # The config first: a directory of another architecture is not read further.
-    cfg = directory_config(directory)
+    directory_config(directory)
     hf_config, state = read_hf_weights(directory)
     try:
-        if cfg.mla_kv_lora_rank is not None:
-            return from_deepseek_state_dict(state, hf_config)
-        if is_llama_architecture(cfg):
-            return from_llama_state_dict(state, hf_config)
-        return from_hf_state_dict(state, hf_config)
+        return LAYOUTS[model_type(hf_config)].model_from(state, hf_config)
     except ValueError as err:
         raise ValueError(f"{directory}: {err}") from None
 
@@ -83,9 +81,7 @@ def directory_config(directory: str | Path) -> GPTConfig:
     directory = Path(directory)
     hf_config = read_hf_config(directory)
     try:
-        read = {"gpt2": config_from_hf, "deepseek_v3": config_from_deepseek}.get(
-            model_type(hf_config), config_from_llama)
-        return read(hf_config)
+        return LAYOUTS[model_type(hf_config)].config_from(hf_config)
     except ValueError as err:
         raise ValueError(f"{directory / 'config.json'}: {err}") from None
 
@@ -100,16 +96,16 @@ def model_type(hf_config: dict) -> str:
     kind = hf_config.get("model_type")
     architectures = hf_config.get("architectures") or []
     if kind is None and isinstance(architectures, list) and architectures:
-        names = {"GPT2": "gpt2", "Llama": "llama", "Qwen3": "qwen3",
-                 "DeepseekV3": "deepseek_v3"}
-        kind = next((v for k, v in names.items() if str(architectures[0]).startswith(k)),
-                    architectures[0])
+        matches = [k for k, layout in LAYOUTS.items()
+                   if str(architectures[0]).startswith(layout.architecture)]
+        # the longest start: Qwen3Moe... is not Qwen3's
+        kind = max(matches, key=lambda k: len(LAYOUTS[k].architecture), default=architectures[0])
     kind = "gpt2" if kind is None else kind
     if not isinstance(kind, str) or kind not in LAYOUTS:
         raise ValueError(
             f"it describes a model_type={hf_config.get('model_type')!r} "
             f"(architectures {architectures!r}) model, which gptmini does not read: it reads "
-            f"{', '.join(f'{k!r} ({v})' for k, v in LAYOUTS.items())} directories")
+            f"{', '.join(f'{k!r} ({v.title})' for k, v in LAYOUTS.items())} directories")
     return kind
 
 
@@ -214,12 +210,8 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
             files than a model's.
         OSError: the directory could not be written (the earlier one is unchanged).
     """
-    if model.cfg.mla_kv_lora_rank is not None:
-        hf_config, state = config_to_deepseek(model.cfg), to_deepseek_state_dict(model)
-    elif is_llama_architecture(model.cfg):
-        hf_config, state = config_to_llama(model.cfg), to_llama_state_dict(model)
-    else:
-        hf_config, state = config_to_hf(model.cfg), to_hf_state_dict(model)
+    layout = LAYOUTS[export_layout(model)]
+    hf_config, state = layout.config_to(model.cfg), layout.state_to(model)
     state = {k: v.cpu() for k, v in state.items()}
     directory = Path(directory)
     try:

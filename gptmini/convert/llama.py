@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from gptmini.convert.weights import (
+    Layout,
     config_integer,
     config_number,
     model_from_weights,
@@ -28,7 +29,7 @@ from gptmini.convert.weights import (
 )
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
+__all__ = ["LAYOUTS", "TABLE", "config_from_llama", "config_to_llama", "from_llama_state_dict",
            "interleaved_to_halves", "is_llama_architecture", "rope_base", "to_llama_state_dict"]
 
 TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: every layer
@@ -285,3 +286,11 @@ def interleaved_to_halves(weight: Tensor, n_heads: int) -> Tensor:
     # (n_heads, head_dim / 2, 2, in) -> (n_heads, 2, head_dim / 2, in)
     return (weight.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2)
             .reshape(out_features, -1))
+
+
+_LLAMA_FUNCTIONS = (config_from_llama, from_llama_state_dict, config_to_llama,
+                    to_llama_state_dict)
+LAYOUTS = {"llama": Layout("Llama", "Llama", *_LLAMA_FUNCTIONS),
+           "qwen3": Layout("Qwen3", "Qwen3", *_LLAMA_FUNCTIONS)}
+"""The model_types this module reads and writes (Qwen3's is Llama's layout with QK-norm;
+config_to_llama writes a model with QK-norm as Qwen3's)."""

@@ -2,15 +2,37 @@
 checks a config.json's fields and a state dict's tensors pass before they are used."""
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from gptmini.model import GPTConfig, GPTModel
 
-__all__ = ["check_finite", "check_float_weights", "config_integer", "config_number",
+__all__ = ["Layout", "check_finite", "check_float_weights", "config_integer", "config_number",
            "model_from_weights", "quantization_problem"]
+
+
+class Layout(NamedTuple):
+    """One Hugging Face `model_type` as gptmini reads and writes it: each layout's module
+    (gpt2.py, llama.py, deepseek.py) lists its own in a LAYOUTS dict by model_type, which
+    gptmini.convert.hub gathers, so a new layout, or a new model_type of one, is a row in
+    its own module."""
+
+    title: str
+    """How messages name it ("Qwen3")."""
+    architecture: str
+    """The start of its `architectures` class names ("Qwen3": Qwen3ForCausalLM), for a
+    config.json without model_type."""
+    config_from: Callable
+    """config.json dict -> GPTConfig."""
+    model_from: Callable
+    """(state dict, config.json dict) -> GPTModel."""
+    config_to: Callable
+    """GPTConfig -> config.json dict (raising for what the layout cannot hold)."""
+    state_to: Callable
+    """GPTModel -> its state dict under the layout's names."""
 
 
 def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list[str],

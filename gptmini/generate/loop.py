@@ -302,9 +302,9 @@ def _check_slide(model: nn.Module, slide: str, use_cache: bool) -> None:
         raise ValueError(f"slide must be 'recompute' or 'roll', got {slide!r}")
     if slide == "recompute":
         return
-    kinds = getattr(getattr(model, "cfg", None), "layer_kinds", None) or ()
-    if "deltanet" in kinds:
-        raise ValueError("slide='roll' drops the oldest cached tokens, which a Gated DeltaNet "
+    fixed = [mixer.title for mixer in getattr(model, "mixers", ()) if not mixer.rolls]
+    if fixed:
+        raise ValueError(f"slide='roll' drops the oldest cached tokens, which a {fixed[0]} "
                          "layer's state (GPTConfig.layer_kinds) cannot: use slide='recompute'")
     scheme = getattr(model, "position_scheme", None)  # a GPTModel's
     if not use_cache or not getattr(scheme, "relative", False):

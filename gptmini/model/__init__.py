@@ -1,11 +1,14 @@
-"""The model: `GPTConfig` (which checks itself) and its presets, the transformer blocks and
-`GPTModel` (gpt.py), and what a model costs in parameters and FLOPs (flops.py).
+"""The model: `GPTConfig` (which checks itself) and its presets (config.py), the tables of
+what a layer is made of, its token mixer (mixers.py) and its feed-forward (feedforward.py),
+the transformer blocks and `GPTModel` (gpt.py), and what a model costs in parameters and
+FLOPs (flops.py).
 
 Imports only torch, so `GPTModel` can be lifted into any training loop.
 """
 
 from gptmini.model.config import (
     GPT_CONFIG_124M,
+    MIXERS,
     MLPS,
     NORMS,
     PRESETS,
@@ -14,7 +17,10 @@ from gptmini.model.config import (
     is_finite_number,
     window_pattern,
 )
-from gptmini.model.gpt import GPTModel, TransformerBlock, cross_entropy
+from gptmini.model.feedforward import FeedForwardKind
+from gptmini.model.gpt import GPTModel, TransformerBlock, add_aux_loss, cross_entropy
+from gptmini.model.mixers import TokenMixer
 
-__all__ = ["GPT_CONFIG_124M", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
-           "GPTModel", "TransformerBlock", "cross_entropy", "is_finite_number", "window_pattern"]
+__all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError",
+           "FeedForwardKind", "GPTConfig", "GPTModel", "TokenMixer", "TransformerBlock",
+           "add_aux_loss", "cross_entropy", "is_finite_number", "window_pattern"]

@@ -1,20 +1,26 @@
 """The model's architecture as one dataclass that checks itself, the book's GPT-2 presets,
 and the modern options (rotary or ALiBi positions, RMSNorm, SwiGLU or ReLU², QK-norm,
-no biases, soft-capped scores) beside them."""
+no biases, soft-capped scores) beside them. What a layer is made of comes from tables: its
+position scheme (gptmini.attention.positions), its token mixer (gptmini.model.mixers) and
+its feed-forward (gptmini.model.feedforward), each an object built from this config that
+checks the fields it reads."""
 
-import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from gptmini.attention import kernels
-from gptmini.attention.gate import GATES
+from gptmini.attention.context import check_window
+from gptmini.attention.errors import ArgumentError
+from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
+from gptmini.model.checks import ConfigError, is_finite_number
+from gptmini.model.feedforward import MLPS, FeedForwardKind
+from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
 
-__all__ = ["GPT_CONFIG_124M", "LAYER_KINDS", "ConfigError", "GPTConfig", "MLPS", "NORMS",
-           "PRESETS", "is_finite_number", "window_pattern"]
+__all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
+           "is_finite_number", "window_pattern"]
 
 NORMS = ("layernorm", "rmsnorm")
-LAYER_KINDS = ("attention", "deltanet")
-MLPS = ("gelu", "swiglu", "relu2")
 
 # The book's configuration dictionary, field for field.
 GPT_CONFIG_124M = {
@@ -26,19 +32,6 @@ GPT_CONFIG_124M = {
     "drop_rate": 0.1,
     "qkv_bias": False,
 }
-
-
-class ConfigError(ValueError):
-    """A GPTConfig field refused: `field`, its `value` and the `fix`, so that a command can
-    name its own flag for it (`for_flag`)."""
-
-    def __init__(self, field: str, value: object, fix: str):
-        super().__init__(f"GPTConfig.{field}={value!r} is invalid: {fix}")
-        self.field, self.value, self.fix = field, value, fix
-
-    def for_flag(self, prefix: str = "--model.") -> str:
-        """The message with the field named as the command line's flag."""
-        return f"{prefix}{self.field} {self.value!r} is invalid: {self.fix}"
 
 
 def window_pattern(spec: str, window: int, n_layers: int) -> list[int | None]:
@@ -63,12 +56,6 @@ def window_pattern(spec: str, window: int, n_layers: int) -> list[int | None]:
                              "integer")
     period = [window] * local + [None] * global_
     return [period[i % len(period)] for i in range(n_layers)]
-
-
-def is_finite_number(value: object) -> bool:
-    """An int or float (not a bool, not a string) that is neither NaN nor infinite."""
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 @dataclass
@@ -117,10 +104,15 @@ class GPTConfig:
     norm_eps: float = 1e-5
     """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
     mlp: str = "gelu"
-    """gelu (the book's 4x GELU), swiglu (gated SiLU, Llama's) or relu2 (squared ReLU)."""
+    """The feed-forward, a name in gptmini.model.feedforward.MLPS: gelu (the book's 4x
+    GELU), swiglu (gated SiLU, Llama's) or relu2 (squared ReLU); or one of your own as
+    'package.module:ClassName'."""
     mlp_hidden_dim: int | None = None
     """The MLP's hidden width; None: 4 * emb_dim, or for swiglu 8/3 * emb_dim rounded up to a
     multiple of 64 (about the parameters of 4x GELU)."""
+    mlp_options: dict | None = None
+    """The feed-forward's own options, by the names it reads (its `options`); the built-ins
+    take none. None: none."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys before attending (Qwen3, OLMo 2)."""
     bias: bool = True
@@ -137,11 +129,12 @@ class GPTConfig:
     """A sigmoid gate from the block's input on each head's output, before out_proj
     (Qwen3-Next's gated attention): none, headwise (one per head) or elementwise (one per
     output channel, Qwen3-Next's)."""
-    # Multi-head latent attention (DeepSeek-V2/V3), issue 37: on when mla_kv_lora_rank is set.
+    # Multi-head latent attention's own options (the "mla" mixer, gptmini.variants.latent,
+    # which checks them): on when mla_kv_lora_rank is set.
     mla_kv_lora_rank: int | None = None
-    """Multi-head latent attention (gptmini.attention.latent): keys and values come from one
+    """Multi-head latent attention (gptmini.variants.latent): keys and values come from one
     latent of this width per token, which with a shared rotary key is all the KV cache
-    holds; None: multi-head attention."""
+    holds; setting it makes every attention layer MLA. None: multi-head attention."""
     mla_q_lora_rank: int | None = None
     """With MLA, compress the query through a latent of this width (DeepSeek-V3's 1536);
     None: a full query projection."""
@@ -152,12 +145,13 @@ class GPTConfig:
     "rope"); None: half of emb_dim // n_heads."""
     mla_v_head_dim: int | None = None
     """With MLA, a head's value size; None: emb_dim // n_heads."""
-    # Linear attention (issue 37): Gated DeltaNet layers mixed with attention layers.
+    # Which token mixer each layer has (gptmini.model.mixers).
     layer_kinds: list[str] | None = None
-    """Each layer's token mixer, one of LAYER_KINDS per layer: "attention" (the book's) or
-    "deltanet" (Gated DeltaNet, gptmini.attention.deltanet: a fixed-size state instead of a
-    KV cache). Qwen3-Next's 3:1 is ["deltanet", "deltanet", "deltanet", "attention"] repeated;
-    None: attention everywhere."""
+    """Each layer's token mixer, a name in gptmini.model.mixers.MIXERS per layer:
+    "attention" (the book's), "mla" (multi-head latent attention) or "deltanet" (Gated
+    DeltaNet, gptmini.variants.deltanet: a fixed-size state instead of a KV cache), or one of
+    your own as 'package.module:ClassName'. Qwen3-Next's 3:1 is ["deltanet", "deltanet",
+    "deltanet", "attention"] repeated; None: attention everywhere."""
     # Local/global layer patterns (issue 37): a window per layer.
     layer_windows: list[int | None] | None = None
     """A sliding window per layer, None for a layer that sees every key: Gemma 3's five
@@ -166,8 +160,8 @@ class GPTConfig:
 
     def __post_init__(self):
         self._check_shape()
-        self._check_mla()
-        self._check_options()
+        self._check_attention()
+        self._check_blocks()
 
     def _need(self, ok: bool, field: str, fix: str) -> None:
         if not ok:
@@ -179,89 +173,116 @@ class GPTConfig:
         value = getattr(self, field)
         self._need(is_finite_number(value) and ok(value), field, fix)
 
+    @contextmanager
+    def _as_field(self, **fields: str):
+        """A rule of gptmini.attention run on this config's values: its ArgumentError named
+        as the field (`fields` maps an argument to its field; by default the same name)."""
+        try:
+            yield
+        except ArgumentError as err:
+            field = fields.get(err.argument, err.argument)
+            raise ConfigError(field, getattr(self, field, err.value), err.fix) from None
+
     def _check_shape(self) -> None:
-        """The sizes: counts, heads that divide the width, rates, window, vocabulary."""
+        """The sizes: counts, heads that divide the width, rates, vocabulary."""
         need = self._need
         for field in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             value = getattr(self, field)
             need(isinstance(value, int) and value >= 1, field, "use a positive integer")
-        need(self.emb_dim % self.n_heads == 0, "n_heads", f"it must divide emb_dim={self.emb_dim}")
-        self._need_number("drop_rate", lambda x: 0.0 <= x < 1.0, "use a number in [0, 1)")
-        if self.attn_drop_rate is not None:
-            self._need_number("attn_drop_rate", lambda x: 0.0 <= x < 1.0,
-                              "use a number in [0, 1), or None for drop_rate")
-        if self.n_kv_heads is not None:
-            need(isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 1
-                 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-                 f"use a divisor of n_heads={self.n_heads}, or None for one per query head")
-        if self.window_size is not None:
-            need(isinstance(self.window_size, int) and self.window_size >= 1, "window_size",
-                 "use a positive integer, or None for full causal attention")
-        if self.layer_windows is not None:
-            self._check_layer_windows()
-        if self.mlp_hidden_dim is not None:
-            need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
-                 "mlp_hidden_dim", "use a positive integer, or None for the default")
+        with self._as_field(num_heads="n_heads", num_kv_heads="n_kv_heads"):
+            check_heads(self.emb_dim, self.n_heads, self.n_kv_heads or self.n_heads)
+        for field in ("drop_rate", "attn_drop_rate"):
+            value = getattr(self, field)
+            if value is not None or field == "drop_rate":
+                need(is_finite_number(value), field, "use a number in [0, 1)")
+                with self._as_field(dropout=field):
+                    check_dropout(value)
         if self.padded_vocab_size is not None:
             need(isinstance(self.padded_vocab_size, int)
                  and self.padded_vocab_size >= self.vocab_size, "padded_vocab_size",
                  f"use at least vocab_size={self.vocab_size} (e.g. the next multiple of 64), "
                  "or None for no padding")
 
-    def _check_mla(self) -> None:
-        """Multi-head latent attention's sizes: set only with mla_kv_lora_rank, positive."""
-        names = ("mla_kv_lora_rank", "mla_q_lora_rank", "mla_qk_nope_head_dim",
-                 "mla_qk_rope_head_dim", "mla_v_head_dim")
-        if self.mla_kv_lora_rank is None:
-            for name in names[1:]:
-                self._need(getattr(self, name) is None, name,
-                           "it sizes multi-head latent attention: set mla_kv_lora_rank too "
-                           "(e.g. 4 * emb_dim // n_heads), or leave it None")
-            return
-        for name in names:
-            value = getattr(self, name)
-            self._need(value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                         and value >= 1), name,
-                       "use a positive integer, or None for the default")
-        self._need(self.mla_dims["qk_rope_head_dim"] % 2 == 0 or self.position != "rope",
-                   "mla_qk_rope_head_dim", "rotary dimensions turn in pairs: use an even size")
-        self._need(self.n_kv_heads is None, "n_kv_heads",
-                   "multi-head latent attention shares its latent across heads already: "
-                   "leave n_kv_heads None with mla_kv_lora_rank")
-        self._need(not self.qk_norm, "qk_norm", "multi-head latent attention normalizes its "
-                   "latents instead: leave qk_norm False with mla_kv_lora_rank")
-        # MultiHeadLatentAttention has neither: accepted, they would be silently dropped
-        self._need(not self.attn_sinks, "attn_sinks", "multi-head latent attention has no "
-                   "sinks yet: leave attn_sinks False with mla_kv_lora_rank")
-        self._need(self.attn_gate == "none", "attn_gate", "multi-head latent attention has no "
-                   "output gate yet: leave attn_gate 'none' with mla_kv_lora_rank")
+    def _check_attention(self) -> None:
+        """The attention's options, by the attention's own rules: window, kernel, position
+        scheme (which checks its own constraints), soft-cap, sinks, gate."""
+        need = self._need
+        with self._as_field():
+            check_window(self.window_size)
+        if self.layer_windows is not None:
+            self._check_layer_windows()
+        need(kernels.is_backend_name(self.attention_backend), "attention_backend",
+             f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
+             "'package.module:ClassName'")
+        need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
+        with self._as_field(head_dim="n_heads"):
+            SCHEMES["rope"].check_theta(self.rope_theta)  # the base's one rule, any scheme
+            self.position_scheme()  # checks its own constraints
+        if self.attn_softcap is not None:
+            self._need_number("attn_softcap", lambda x: x > 0.0,
+                              "use a finite positive cap such as 50, or None for no cap")
+        need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
+        if self.attn_gate != "none":  # the gate's table loads with the option that uses it
+            from gptmini.attention.gate import GATES
 
-    @property
-    def mla_dims(self) -> dict:
-        """Multi-head latent attention's sizes, defaults filled in, under DeepSeek's names
-        (MultiHeadLatentAttention's keywords); {} without MLA."""
-        if self.mla_kv_lora_rank is None:
-            return {}
-        head_dim = self.emb_dim // self.n_heads
-        return {"kv_lora_rank": self.mla_kv_lora_rank, "q_lora_rank": self.mla_q_lora_rank,
-                "qk_nope_head_dim": self.mla_qk_nope_head_dim or head_dim,
-                "qk_rope_head_dim": self.mla_qk_rope_head_dim or max(2, head_dim // 2),
-                "v_head_dim": self.mla_v_head_dim or head_dim}
+            need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
+
+    def _check_blocks(self) -> None:
+        """Norm, the layers' token mixers and the feed-forward, each of which checks the
+        fields it reads as it is built."""
+        need = self._need
+        need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
+        # An epsilon of 1 or more swamps the variance it is added to: every token's
+        # normalized activations shrink toward zero, and the model predicts one distribution.
+        self._need_number("norm_eps", lambda x: 0.0 < x < 1.0,
+                          "use a small positive number below 1, such as 1e-5")
+        if self.mlp_hidden_dim is not None:
+            need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
+                 "mlp_hidden_dim", "use a positive integer, or None for the default")
+        need(MLPS.accepts(self.mlp), "mlp", f"use {MLPS.choices()}")
+        self._check_mlp_options()
+        kinds = self.layer_kinds
+        if kinds is not None:
+            need(isinstance(kinds, list | tuple) and len(kinds) == self.n_layers
+                 and all(MIXERS.accepts(kind) for kind in kinds), "layer_kinds",
+                 f"use a list of n_layers={self.n_layers} names, each {MIXERS.choices()} "
+                 "(e.g. Qwen3-Next's 3:1: deltanet, deltanet, deltanet, attention), or None "
+                 "for attention everywhere")
+            self.layer_kinds = list(kinds)  # a tuple (or a YAML sequence) saved as a list
+        self.mixers()
+        self.feed_forward()
+
+    def _check_mlp_options(self) -> None:
+        options = self.mlp_options
+        if options is None:
+            return
+        self._need(isinstance(options, dict) and all(isinstance(k, str) for k in options),
+                   "mlp_options", "use a mapping of option names to values, or None")
+        try:
+            known = MLPS[self.mlp].options
+        except ValueError as err:  # a feed-forward of your own that does not import
+            raise ConfigError("mlp", self.mlp, str(err)) from None
+        unknown = sorted(set(options) - set(known))
+        self._need(not unknown, "mlp_options",
+                   f"the {self.mlp} feed-forward has no option {', '.join(unknown)}; it reads "
+                   + (", ".join(known) if known else "none: leave mlp_options None"))
+
     def _check_layer_windows(self) -> None:
         """One window or None per layer, and no window_size beside them."""
         windows = self.layer_windows
-        self._need(isinstance(windows, list | tuple) and len(windows) == self.n_layers
-                   and all(w is None or (isinstance(w, int) and not isinstance(w, bool)
-                                         and w >= 1) for w in windows), "layer_windows",
-                   f"use a list of {self.n_layers} entries (n_layers), each a positive window "
-                   "or None for a global layer, e.g. window_pattern('5:1', window=512, "
-                   f"n_layers={self.n_layers}); or None for window_size in every layer")
+        fix = (f"use a list of {self.n_layers} entries (n_layers), each a positive window or "
+               f"None for a global layer, e.g. window_pattern('5:1', window=512, n_layers="
+               f"{self.n_layers}); or None for window_size in every layer")
+        self._need(isinstance(windows, list | tuple) and len(windows) == self.n_layers,
+                   "layer_windows", fix)
+        try:
+            for window in windows:
+                check_window(window)  # the window's one rule
+        except ArgumentError:
+            raise ConfigError("layer_windows", windows, fix) from None
         self.layer_windows = list(windows)  # a tuple (or a YAML sequence) saved as a list
         self._need(self.window_size is None, "window_size",
                    "use None beside layer_windows (which gives every layer its window)")
-        self._need(self.mla_kv_lora_rank is None, "layer_windows",
-                   "multi-head latent attention has one window for every layer: use "
-                   "window_size with mla_kv_lora_rank, or leave layer_windows None")
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (0 first), or None: it sees every key."""
@@ -276,61 +297,41 @@ class GPTConfig:
             return self.window_size
         return None if None in self.layer_windows else max(self.layer_windows)
 
-    def _check_options(self) -> None:
-        """The named choices: kernel, position scheme (which checks its own constraints),
-        norm, MLP, soft-cap."""
-        need = self._need
-        need(kernels.is_backend_name(self.attention_backend), "attention_backend",
-             f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
-             "'package.module:ClassName'")
-        need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
-        self._need_number("rope_theta", lambda x: x > 1.0,
-                          "use a finite base above 1, such as 10000 (Llama 3: 500000)")
-        try:
-            self.position_scheme()
-        except ValueError as err:
-            raise ValueError(f"GPTConfig.position={self.position!r} does not fit this model: "
-                             f"{err}") from None
-        need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
-        # An epsilon of 1 or more swamps the variance it is added to: every token's
-        # normalized activations shrink toward zero, and the model predicts one distribution.
-        self._need_number("norm_eps", lambda x: 0.0 < x < 1.0,
-                          "use a small positive number below 1, such as 1e-5")
-        need(self.mlp in MLPS, "mlp", f"use one of {', '.join(MLPS)}")
-        if self.attn_softcap is not None:
-            self._need_number("attn_softcap", lambda x: x > 0.0,
-                              "use a finite positive cap such as 50, or None for no cap")
-        need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
-        need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
-        if self.layer_kinds is not None:
-            kinds = self.layer_kinds
-            need(isinstance(kinds, list | tuple) and len(kinds) == self.n_layers
-                 and all(kind in LAYER_KINDS for kind in kinds), "layer_kinds",
-                 f"use a list of n_layers={self.n_layers} names, each one of "
-                 f"{', '.join(LAYER_KINDS)} (e.g. Qwen3-Next's 3:1: deltanet, deltanet, "
-                 "deltanet, attention), or None for attention everywhere")
-
-    def layer_kind(self, index: int) -> str:
-        """The token mixer of layer `index`: "attention" or "deltanet"."""
-        return "attention" if self.layer_kinds is None else self.layer_kinds[index]
+    @property
+    def attention_dropout(self) -> float:
+        """The attention weights' dropout: attn_drop_rate, or drop_rate where it is None."""
+        return self.drop_rate if self.attn_drop_rate is None else self.attn_drop_rate
 
     def position_scheme(self) -> PositionScheme:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);
         `GPTModel` builds one and hands it to every layer."""
-        scheme = SCHEMES[self.position].from_config(self)
-        if self.mla_kv_lora_rank is not None and hasattr(scheme, "head_dim"):
-            # MLA rotates only its decoupled rotary part of each query and key
-            scheme = replace(scheme, head_dim=self.mla_dims["qk_rope_head_dim"])
-        return scheme
+        return SCHEMES[self.position].from_config(self)
+
+    def mixers(self) -> list[TokenMixer]:
+        """Each layer's token mixer (gptmini.model.mixers), one object per kind, built here
+        from its table entry (which checks the fields it reads)."""
+        built: dict[str, TokenMixer] = {}
+        for name in dict.fromkeys(layer_mixer_names(self)):
+            try:
+                kind = MIXERS[name]
+            except ValueError as err:  # a mixer of your own that does not import
+                raise ConfigError("layer_kinds", self.layer_kinds, str(err)) from None
+            built[name] = kind.from_config(self)
+        return [built[name] for name in layer_mixer_names(self)]
+
+    def feed_forward(self) -> FeedForwardKind:
+        """The blocks' feed-forward (gptmini.model.feedforward), built from its table entry
+        (which checks the fields it reads)."""
+        try:
+            kind = MLPS[self.mlp]
+        except ValueError as err:  # one of your own that does not import
+            raise ConfigError("mlp", self.mlp, str(err)) from None
+        return kind.from_config(self)
 
     @property
     def hidden_dim(self) -> int:
-        """The MLP's hidden width (see mlp_hidden_dim)."""
-        if self.mlp_hidden_dim is not None:
-            return self.mlp_hidden_dim
-        if self.mlp == "swiglu":
-            return -(-8 * self.emb_dim // 3 // 64) * 64
-        return 4 * self.emb_dim
+        """The feed-forward's hidden width (see mlp_hidden_dim), as it works it out."""
+        return self.feed_forward().hidden_dim
 
     @property
     def vocab_width(self) -> int:

@@ -2,12 +2,14 @@
 
 Token + position embeddings, dropout, `n_layers` pre-LayerNorm transformer blocks
 (attention and a 4x GELU feed-forward, each inside a residual), a final LayerNorm and a
-linear output head: the book's model, and the default. GPTConfig (gptmini.model.config) swaps in
-the modern parts: rotary or ALiBi positions instead of the embedding, RMSNorm, SwiGLU or
-ReLU², QK-norm, no biases. The position scheme (gptmini.attention.positions) is built once
-from GPTConfig.position and shared: it makes the position embedding, and every layer's
-attention rotates or modifies scores with it. Imports only torch, so the model can be lifted
-into any loop.
+linear output head: the book's model, and the default. GPTConfig (gptmini.model.config)
+swaps in the modern parts: rotary or ALiBi positions instead of the embedding, RMSNorm,
+SwiGLU or ReLU², QK-norm, no biases, and other token mixers. What a block is made of comes
+from tables, each an object built once from the config: the position scheme
+(gptmini.attention.positions), shared by every layer, makes the position embedding and
+rotates or modifies scores; each layer's token mixer (gptmini.model.mixers) makes its
+attention (or another mixer) and its cache; the feed-forward (gptmini.model.feedforward)
+makes the MLP. Imports only torch, so the model can be lifted into any loop.
 """
 
 import math
@@ -17,112 +19,53 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import (
-    BaseKVCache,
-    KVCache,
-    MultiHeadAttention,
-    MultiHeadLatentAttention,
-    WindowKVCache,
-)
-from gptmini.attention.context import AttentionContext, AttentionSettings, Ragged
-from gptmini.attention.deltanet import DeltaNetState, GatedDeltaNet
-from gptmini.attention.norm import RMSNorm
+from gptmini.attention import AttentionContext, AttentionSettings, BaseKVCache, Ragged
 from gptmini.attention.positions import PositionScheme
 from gptmini.model.config import GPTConfig
+from gptmini.model.feedforward import FeedForwardKind
+from gptmini.model.mixers import TokenMixer
 
-__all__ = ["DeltaNetBlock", "GPTModel", "TransformerBlock", "cross_entropy"]
-
-class FeedForward(nn.Module):
-    """Position-wise MLP: emb_dim -> 4 * emb_dim -> emb_dim with GELU (tanh approximation),
-    the book's; with cfg.mlp "relu2", squared ReLU (modded-nanogpt's) in its place."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias),
-            nn.GELU(approximate="tanh") if cfg.mlp == "gelu" else SquaredReLU(),
-            nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
-        )
-
-    @property
-    def proj_out(self) -> nn.Linear:
-        return self.layers[2]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.layers(x)
-
-
-class SquaredReLU(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return F.relu(x).square()
-
-
-class SwiGLU(nn.Module):
-    """Gated MLP: down(silu(gate(x)) * up(x)), Llama's (names as Hugging Face's)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias)
-        self.up_proj = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias)
-
-    @property
-    def proj_out(self) -> nn.Linear:
-        return self.down_proj
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy"]
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """LayerNorm (the book's) or RMSNorm, over emb_dim."""
     if cfg.norm == "rmsnorm":
+        from gptmini.attention.norm import RMSNorm  # (loaded by the config that names it)
+
         return RMSNorm(cfg.emb_dim, eps=cfg.norm_eps)  # torch's, faster on a CPU
     return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def latent_attention(cfg: GPTConfig, position_scheme: PositionScheme | None = None
-                     ) -> MultiHeadLatentAttention:
-    """A block's multi-head latent attention (cfg.mla_kv_lora_rank is set), with the
-    model's position scheme (None: a new one of cfg's)."""
-    return MultiHeadLatentAttention(
-        cfg.emb_dim, cfg.context_length,
-        cfg.drop_rate if cfg.attn_drop_rate is None else cfg.attn_drop_rate, cfg.n_heads,
-        **cfg.mla_dims, qkv_bias=cfg.qkv_bias, window_size=cfg.window_size,
-        backend=cfg.attention_backend, position_scheme=position_scheme or cfg.position_scheme(),
-        out_bias=cfg.bias, softcap=cfg.attn_softcap)
+def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
+    """How a mixer's or feed-forward's module hands the model an auxiliary loss (one whose
+    `aux_loss` is True; see gptmini.model.mixers.TokenMixer.aux_loss): `loss`, a scalar
+    already weighted by its coefficient, added to this pass's `aux_losses` under `name`
+    (summed over the layers that add one); nothing when nobody asked for them (None)."""
+    if aux_losses is not None:
+        aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `position_scheme` is
-    the model's, shared by every block (None: a new one of cfg's); `layer` is the block's
-    index, which picks its window (GPTConfig.window_of)."""
+    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `att` is what the
+    layer's token mixer makes (the book's attention by default), `ff` what the feed-forward
+    makes. `position_scheme` is the model's, shared by every block (None: a new one of
+    cfg's); `layer` is the block's index, which picks its mixer and window; `mixer` and
+    `feed_forward` are the model's objects (None: cfg's)."""
 
     def __init__(self, cfg: GPTConfig, position_scheme: PositionScheme | None = None,
-                 layer: int = 0):
+                 layer: int = 0, *, mixer: TokenMixer | None = None,
+                 feed_forward: FeedForwardKind | None = None):
         super().__init__()
-        mla = cfg.mla_kv_lora_rank is not None  # multi-head latent attention (issue 37)
-        self.att = latent_attention(cfg, position_scheme) if mla else MultiHeadAttention(
-            d_in=cfg.emb_dim,
-            d_out=cfg.emb_dim,
-            context_length=cfg.context_length,
-            dropout=cfg.drop_rate if cfg.attn_drop_rate is None else cfg.attn_drop_rate,
-            num_heads=cfg.n_heads,
-            qkv_bias=cfg.qkv_bias,
-            num_kv_heads=cfg.n_kv_heads,
-            window_size=cfg.window_of(layer),
-            backend=cfg.attention_backend,
-            position_scheme=position_scheme or cfg.position_scheme(),
-            qk_norm=cfg.qk_norm,
-            out_bias=cfg.bias,
-            softcap=cfg.attn_softcap,
-            sinks=cfg.attn_sinks,
-            gate=cfg.attn_gate,
-        )
-        self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
+        mixer = mixer or cfg.mixers()[layer]
+        feed_forward = feed_forward or cfg.feed_forward()
+        self.att = mixer.make_module(layer, position_scheme or cfg.position_scheme())
+        self.ff = feed_forward.make_module()
         self.norm1 = make_norm(cfg)
         self.norm2 = make_norm(cfg)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+        # which of the two hand in auxiliary losses (fixed here: no branch on data)
+        self.att_aux, self.ff_aux = mixer.aux_loss, feed_forward.aux_loss
 
     def forward(
         self,
@@ -130,57 +73,21 @@ class TransformerBlock(nn.Module):
         context: AttentionContext | None = None,
         kv_cache: BaseKVCache | None = None,
         return_weights: bool = False,
+        aux_losses: dict[str, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (b, num_tokens, emb_dim) through the block; `context` is the forward pass's
-        (None: the attention builds its own, causal over x)."""
+        (None: the attention builds its own, causal over x); `aux_losses` collects the
+        pass's auxiliary losses (see `add_aux_loss`)."""
+        extra = {"aux_losses": aux_losses} if self.att_aux else {}
         att = self.att(self.norm1(x), context=context, kv_cache=kv_cache,
-                       return_weights=return_weights)
+                       return_weights=return_weights, **extra)
         weights = None
         if return_weights:
             att, weights = att
         x = x + self.drop_shortcut(att)
-        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        extra = {"aux_losses": aux_losses} if self.ff_aux else {}
+        x = x + self.drop_shortcut(self.ff(self.norm2(x), **extra))
         return (x, weights) if return_weights else x
-
-
-class DeltaNetBlock(nn.Module):
-    """A block whose token mixer is Gated DeltaNet (gptmini.attention.deltanet) instead of
-    attention, for GPTConfig.layer_kinds: x + mix(norm1(x)), then x + ff(norm2(x)). Its
-    cache is a `DeltaNetState`; positions do not enter it (the convolution and the decay
-    order the tokens)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        # Held as `att`, the attention's name, so that the model's init and every
-        # state-dict key outside the mixer read as a TransformerBlock's.
-        self.att = GatedDeltaNet(cfg.emb_dim, cfg.n_heads, cfg.emb_dim // cfg.n_heads,
-                                 norm_eps=cfg.norm_eps)
-        self.ff = SwiGLU(cfg) if cfg.mlp == "swiglu" else FeedForward(cfg)
-        self.norm1 = make_norm(cfg)
-        self.norm2 = make_norm(cfg)
-        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
-
-    def forward(self, x: Tensor, context: AttentionContext | None = None,
-                kv_cache: DeltaNetState | None = None, return_weights: bool = False) -> Tensor:
-        """x (b, num_tokens, emb_dim) through the block; of `context` it reads the padding
-        (left padding is zeroed: exact) and refuses what it cannot do yet."""
-        if return_weights:
-            raise ValueError("a Gated DeltaNet layer has no attention weights to return")
-        if kv_cache is not None and not isinstance(kv_cache, DeltaNetState):
-            raise ValueError(f"a Gated DeltaNet layer keeps a DeltaNetState, not a "
-                             f"{type(kv_cache).__name__}; make the caches with "
-                             "model.new_kv_caches()")
-        mask = None
-        if context is not None:
-            if context.ragged is not None or context.document_ids is not None:
-                raise ValueError(
-                    "Gated DeltaNet layers (GPTConfig.layer_kinds) cannot yet restart their "
-                    "state inside a row: no packed documents (document_ids) and no engine "
-                    "steps; train without packing, generate with generate()")
-            if context.attention_mask is not None:  # (b, num_keys): the new tokens' part
-                mask = context.attention_mask[:, -x.shape[1]:]
-        x = x + self.drop_shortcut(self.att(self.norm1(x), mask, kv_cache))
-        return x + self.drop_shortcut(self.ff(self.norm2(x)))
 
 
 def _rename_book_norms(module, state_dict, prefix, *args):
@@ -206,14 +113,15 @@ class GPTModel(nn.Module):
         if pos_emb is not None:  # held under the book's name, which its state dicts use
             self.pos_emb = pos_emb
         self.drop_emb = nn.Dropout(cfg.drop_rate)
+        self.mixers = cfg.mixers()  # each layer's token mixer: what is asked of a layer
+        self.feed_forward = cfg.feed_forward()
         self.trf_blocks = nn.ModuleList([
-            DeltaNetBlock(cfg) if cfg.layer_kind(i) == "deltanet"
-            else TransformerBlock(cfg, self.position_scheme, i) for i in range(cfg.n_layers)])
-        # what contexts are built with: the attention layers' (a model of DeltaNet layers
-        # only builds them for positions, with the settings its attention would have)
+            TransformerBlock(cfg, self.position_scheme, i, mixer=self.mixers[i],
+                             feed_forward=self.feed_forward) for i in range(cfg.n_layers)])
+        # what contexts are built with: the attention layers' (a model with none builds
+        # them for positions, with the settings its attention would have)
         self.attention_settings = next(
-            (block.att.settings for block in self.trf_blocks
-             if isinstance(block, TransformerBlock)),
+            (block.att.settings for block in self.trf_blocks if hasattr(block.att, "settings")),
             AttentionSettings(window_size=cfg.window_size, position_scheme=self.position_scheme,
                               softcap=cfg.attn_softcap))
         self.final_norm = make_norm(cfg)
@@ -221,9 +129,10 @@ class GPTModel(nn.Module):
         self.apply(self._init_weights)
         # GPT-2 scales the projections that write into the residual stream by
         # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth.
-        for block in self.trf_blocks:
-            for proj in (block.att.out_proj, block.ff.proj_out):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        for block, mixer in zip(self.trf_blocks, self.mixers, strict=True):
+            for weight in (*mixer.residual_weights(block.att),
+                           *self.feed_forward.residual_weights(block.ff)):
+                nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_weights:
             self.out_head.weight = self.tok_emb.weight
         self.register_load_state_dict_pre_hook(_rename_book_norms)
@@ -252,7 +161,8 @@ class GPTModel(nn.Module):
         return_weights: bool = False,
         document_ids: Tensor | None = None,
         context: AttentionContext | None = None,
-    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        return_parts: bool = False,
+    ) -> Tensor | tuple[Tensor, list[Tensor]] | tuple[Tensor, dict[str, Tensor]]:
         """Next-token logits for every position, or the loss against `targets`.
 
         Args:
@@ -287,39 +197,57 @@ class GPTModel(nn.Module):
             context: the AttentionContext of this pass, if the caller built it (the engine
                 does, for a step); then attention_mask and document_ids are in it. None:
                 built here, once, for every layer.
+            return_parts: with targets, return (loss, parts): `parts` the auxiliary losses
+                the layers computed in this pass by name, each a scalar already weighted
+                by its coefficient (a mixture of experts' load balance; {} for a model
+                without any), and `loss` the language-modelling loss plus their sum.
+                Without it the loss is the language-modelling loss alone (evaluation's).
 
         Returns:
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
-            with `return_weights` the list of weights; or, with targets, the float32 loss.
+            with `return_weights` the list of weights; or, with targets, the float32 loss
+            (and with `return_parts` its parts).
         """
         context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
-        if return_weights and self.cfg.layer_kinds and "deltanet" in self.cfg.layer_kinds:
-            mixers = [i for i, kind in enumerate(self.cfg.layer_kinds) if kind == "deltanet"]
-            raise ValueError(f"layers {mixers} are Gated DeltaNet layers (cfg.layer_kinds): "
-                             "they have no attention weights to return")
-        if targets is not None and (return_weights or logits_to_keep is not None):
-            raise ValueError("with targets forward returns the loss; pass targets alone, or "
-                             "ask for logits (logits_to_keep, return_weights) without them")
+        self._check_asked(targets, reduction, logits_to_keep, return_weights, return_parts)
         x = self.position_scheme.embed(self.tok_emb(in_idx), context)  # (b, num_tokens, emb)
         x = self.drop_emb(x)
 
         all_weights = []
+        parts: dict[str, Tensor] | None = {} if return_parts else None  # the layers add theirs
         for i, block in enumerate(self.trf_blocks):
             cache = kv_caches[i] if kv_caches else None
-            x = block(x, context, cache, return_weights)
+            x = block(x, context, cache, return_weights, parts)
             if return_weights:
                 x, weights = x
                 all_weights.append(weights)
-        if targets is not None and loss_chunk_size:
-            return self._chunked_loss(x, targets, reduction, loss_chunk_size)
+        if targets is not None:
+            loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
+                    if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
+            return (loss + sum(parts.values()), parts) if return_parts else loss
         if isinstance(logits_to_keep, Tensor):
             x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
         elif logits_to_keep is not None:
             x = x[:, -logits_to_keep:, :]  # (b, logits_to_keep, emb)
         logits = self._logits(x)  # (b, num_tokens, vocab_size)
-        if targets is not None:
-            return cross_entropy(logits, targets, reduction)
         return (logits, all_weights) if return_weights else logits
+
+    def _check_asked(self, targets: Tensor | None, reduction: str,
+                     logits_to_keep: int | Tensor | None, return_weights: bool,
+                     return_parts: bool) -> None:
+        """What forward was asked for fits together, and the layers can give it."""
+        if return_weights:
+            without = [i for i, mixer in enumerate(self.mixers) if not mixer.has_weights]
+            if without:
+                titles = " and ".join(dict.fromkeys(self.mixers[i].title for i in without))
+                raise ValueError(f"layers {without} are {titles} layers (cfg.layer_kinds): "
+                                 "they have no attention weights to return")
+        if targets is not None and (return_weights or logits_to_keep is not None):
+            raise ValueError("with targets forward returns the loss; pass targets alone, or "
+                             "ask for logits (logits_to_keep, return_weights) without them")
+        if return_parts and (targets is None or reduction == "none"):
+            raise ValueError("return_parts returns the loss and its auxiliary parts: pass "
+                             "targets with reduction 'mean' or 'sum'")
 
     def _context(self, in_idx: Tensor, attention_mask: Tensor | None,
                  document_ids: Tensor | None, kv_caches: list[BaseKVCache] | None,
@@ -377,20 +305,12 @@ class GPTModel(nn.Module):
             attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
             positions=positions, ragged=ragged, device=device)
 
-    def new_kv_caches(self) -> list[KVCache | DeltaNetState]:
-        """Empty caches, one per layer, for `forward(..., kv_caches=...)`: a KVCache per
-        attention layer (a windowed one's holds only its window: `WindowKVCache`), a
-        DeltaNetState (fixed size) per Gated DeltaNet layer."""
-        return [self._new_cache(block) for block in self.trf_blocks]
-
-    @staticmethod
-    def _new_cache(block: nn.Module) -> KVCache | DeltaNetState:
-        if isinstance(block, DeltaNetBlock):
-            return DeltaNetState()
-        window = block.att.settings.window_size
-        if window is None or not isinstance(block.att, MultiHeadAttention):
-            return KVCache()  # (latent attention masks over every key it is given)
-        return WindowKVCache(window)
+    def new_kv_caches(self) -> list:
+        """Empty caches, one per layer, for `forward(..., kv_caches=...)`, as each layer's
+        mixer keeps them: a KVCache per attention layer (a windowed one's holds only its
+        window: `WindowKVCache`), a DeltaNetState (fixed size) per Gated DeltaNet layer."""
+        return [mixer.new_cache(block.att)
+                for mixer, block in zip(self.mixers, self.trf_blocks, strict=True)]
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:

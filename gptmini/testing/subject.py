@@ -47,7 +47,7 @@ class AttentionSpec:
     argument builds (then a leak names its head, and equals_gptmini can run)."""
     softmax: bool = True
     """True: each output is a softmax-weighted mean of values. False: linear attention with
-    a recurrent state (gptmini.attention.deltanet's Gated DeltaNet), whose output is not:
+    a recurrent state (gptmini.variants.deltanet's Gated DeltaNet), whose output is not:
     identical_tokens and equals_gptmini do not apply, every other check does."""
 
     sinks: str | None = None

@@ -364,8 +364,9 @@ class AttentionMapCallback(EveryNSteps):
             )
         if not -cfg.n_layers <= self.layer < cfg.n_layers:
             return self._disable(f"layer {self.layer} is out of range for {cfg.n_layers} layers")
-        if "deltanet" in (cfg.layer_kinds or ()):
-            return self._disable(f"layer_kinds {cfg.layer_kinds} has Gated DeltaNet layers, "
+        without = [m.title for m in pl_module.model.mixers if not m.has_weights]
+        if without:
+            return self._disable(f"layer_kinds {cfg.layer_kinds} has {without[0]} layers, "
                                  "which have no attention weights")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptmini.attention import KVCache, MultiHeadAttention, WindowKVCache
+from gptmini.attention import AttentionContext, KVCache, MultiHeadAttention, WindowKVCache
 from gptmini.attention.book import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -333,9 +333,9 @@ def test_kv_cache_with_autograd_concatenates_so_gradients_reach_earlier_keys():
 
 
 def test_bad_input_gives_clear_errors():
-    with pytest.raises(ValueError, match="d_out must be divisible by num_heads"):
+    with pytest.raises(ValueError, match="num_heads=.* is invalid: it must divide the width"):
         MultiHeadAttention(8, 10, 16, 0.0, num_heads=3)
-    with pytest.raises(ValueError, match="num_heads must be divisible by num_kv_heads"):
+    with pytest.raises(ValueError, match="num_kv_heads=.* is invalid: use a divisor of the"):
         MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="window_size"):
         MultiHeadAttention(8, 8, 16, 0.0, num_heads=4, window_size=0)
@@ -382,3 +382,25 @@ def test_both_paths_equal_the_loop_oracle_for_random_lengths_paddings_windows(
     torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- each value checked once -------------------------------------------------------------
+
+
+def test_a_module_with_sinks_builds_its_kernel_once(monkeypatch):
+    import gptmini.attention.multihead as multihead
+
+    built = []
+    original = multihead.make_kernel
+    monkeypatch.setattr(multihead, "make_kernel", lambda b: built.append(b) or original(b))
+    MultiHeadAttention(8, 8, 16, 0.0, 2, sinks=True, gate="headwise")
+    assert built == ["sdpa"]
+
+
+def test_context_length_is_checked_where_the_pass_is_built_not_again_per_layer():
+    module = MultiHeadAttention(8, 8, 4, 0.0, 2)  # context_length 4
+    x = torch.randn(1, 6, 8)
+    with pytest.raises(ValueError, match="got 6 positions but context_length is 4"):
+        module(x)  # called alone, it builds (and checks) its own context
+    context = AttentionContext.build(1, 6)  # a pass's, checked by whoever built it
+    assert module(x, context=context).shape == (1, 6, 8)

@@ -1,6 +1,7 @@
 """The attention context: built once per forward pass, its positions, its forms, and the
 KV-cache interface both caches implement."""
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -17,24 +18,24 @@ from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
 
-def counting(monkeypatch, name):
-    """Count the calls of masks.<name> made through gptmini.attention.context."""
+def counting(monkeypatch, name, module=masks):
+    """Count the calls of module.<name> (masks': made through gptmini.attention.context)."""
     calls = []
-    original = getattr(masks, name)
+    original = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(masks, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
-FORMS = {  # backend: the form of the mask its kernel reads
-    "sdpa": "dense",
-    "explicit": "dense",
-    "tiled": "tile_plan",
-    "flex": "block_mask",
+FORMS = {  # backend: the form of the mask its kernel reads, and the module that makes it
+    "sdpa": ("dense", "gptmini.attention.masks"),
+    "explicit": ("dense", "gptmini.attention.masks"),
+    "tiled": ("tile_plan", "gptmini.attention.kernels.tiled"),
+    "flex": ("block_mask", "gptmini.attention.kernels.flex"),
 }
 
 
@@ -42,7 +43,8 @@ FORMS = {  # backend: the form of the mask its kernel reads
 def test_a_forward_pass_builds_its_mask_once_not_once_per_layer(backend, tiny_config,
                                                                   monkeypatch):
     model = GPTModel(replace(tiny_config, n_layers=4, attention_backend=backend)).eval()
-    calls = counting(monkeypatch, FORMS[backend])
+    name, module = FORMS[backend]
+    calls = counting(monkeypatch, name, importlib.import_module(module))
     idx = torch.randint(0, 64, (2, 10))
     documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 10])
     with torch.no_grad():

@@ -19,7 +19,7 @@ from gptmini.attention.positions import (
 )
 from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate, left_pad
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel
 
 
 def rope_by_complex_numbers(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
@@ -365,7 +365,19 @@ def test_a_module_takes_a_scheme_or_its_short_form_not_both():
     with pytest.raises(ValueError, match="rope_theta and alibi each choose how positions "
                                          "enter: pass one"):
         MultiHeadAttention(8, 8, 16, 0.0, 2, rope_theta=100.0, alibi=True)
-    with pytest.raises(ValueError, match="head_dim=3 is odd"):
+    with pytest.raises(ValueError, match="head_dim=3 is invalid: rotary positions turn"):
         MultiHeadAttention(6, 6, 16, 0.0, 2, rope_theta=100.0)
-    with pytest.raises(ValueError, match="rope_theta must be a positive base"):
+    with pytest.raises(ValueError, match="rope_theta=0.0 is invalid: use a finite base above 1"):
         RotaryPositions(head_dim=4, theta=0.0)
+
+
+@pytest.mark.parametrize("theta", [1.0, 0.5, 0.0, -3.0, float("nan")])
+def test_the_rotary_base_has_one_rule_for_the_scheme_and_the_config(tiny_config, theta):
+    """RotaryPositions and GPTConfig.rope_theta refuse the same bases with the same fix (the
+    scheme's rule, which the config asks): a finite base above 1."""
+    with pytest.raises(ValueError) as scheme:
+        RotaryPositions(head_dim=4, theta=theta)
+    with pytest.raises(ConfigError) as config:
+        GPTConfig(**{**tiny_config.to_dict(), "position": "rope", "rope_theta": theta})
+    assert config.value.field == "rope_theta" and config.value.fix == scheme.value.fix
+    assert "use a finite base above 1" in config.value.fix

@@ -89,7 +89,7 @@ def test_a_deepseek_v3_transformers_saved_loads_with_its_logits(tmp_path, interl
                 p.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path)
     ours = load_hf(tmp_path).double()
-    assert ours.cfg.mla_dims == {"kv_lora_rank": 16, "q_lora_rank": 12, "qk_nope_head_dim": 8,
+    assert ours.mixers[0].dims == {"kv_lora_rank": 16, "q_lora_rank": 12, "qk_nope_head_dim": 8,
                                  "qk_rope_head_dim": 4, "v_head_dim": 6}
     ids = token_ids()
     with torch.no_grad():

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from gptmini.attention import KVCache
-from gptmini.attention.deltanet import DeltaNetState
 from gptmini.generate.loop import generate, left_pad
 from gptmini.model import ConfigError, GPTConfig, GPTModel
-from gptmini.model.gpt import DeltaNetBlock, TransformerBlock
+from gptmini.variants import GatedDeltaNet
+from gptmini.variants.deltanet import DeltaNetState
 
 QWEN3_NEXT = ["deltanet", "deltanet", "deltanet", "attention"]
 
@@ -31,7 +31,8 @@ def test_a_bad_pattern_is_refused_naming_the_field(kinds):
 
 def test_the_pattern_builds_its_blocks_and_caches():
     model = hybrid()
-    assert [type(b) for b in model.trf_blocks] == [DeltaNetBlock] * 3 + [TransformerBlock]
+    assert [isinstance(b.att, GatedDeltaNet) for b in model.trf_blocks] == [True] * 3 + [False]
+    assert [mixer.title for mixer in model.mixers] == ["Gated DeltaNet"] * 3 + ["attention"]
     assert [type(c) for c in model.new_kv_caches()] == [DeltaNetState] * 3 + [KVCache]
     assert GPTModel(GPTConfig(n_layers=2, emb_dim=16, n_heads=2)).new_kv_caches()[0].__class__ \
         is KVCache  # no pattern: attention everywhere, as before

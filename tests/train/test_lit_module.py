@@ -52,7 +52,7 @@ def test_weight_decay_only_on_parameters_with_two_or_more_dimensions():
         ({"beta2": "0.9"}, r"--model.beta2 '0.9' is invalid"),
         ({"peak_flops": 0.0}, r"--model.peak_flops 0.0 is invalid"),
         ({"loss_chunk_size": 0}, r"--model.loss_chunk_size 0 is invalid"),
-        ({"n_heads": 3}, r"--model.n_heads 3 is invalid: it must divide emb_dim=16"),
+        ({"n_heads": 3}, r"--model.n_heads 3 is invalid: it must divide the width \(16\)"),
         ({"norm_eps": float("inf")}, r"--model.norm_eps inf is invalid: use a small positive"),
         ({"attn_softcap": float("inf")}, r"--model.attn_softcap inf is invalid: use a finite"),
         ({"rope_theta": float("nan")}, r"--model.rope_theta nan is invalid"),

@@ -8,7 +8,8 @@ then called as
 with queries (b, num_heads, num_tokens, head_dim), keys and values
 (b, num_kv_heads, num_keys, head_dim) (grouped-query attention: fewer key/value heads) and
 the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it applies in
-whichever form it wants (`dense()`, `block_mask()`, `tile_plan(tile)`). A kernel with no
+whichever form it wants (`dense()`, or its own made once per pass with `context.once`, as
+flex's BlockMask and the tiled kernel's plan are). A kernel with no
 attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
 A kernel that adds attention sinks (gptmini.attention.sinks) says so with
 `has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
@@ -21,36 +22,31 @@ imported before:
 
     "sdpa", "explicit", "flex", "tiled"   the built-ins: `KERNELS` below, read-only; a new
                                           built-in is one file here and its name in KERNELS
+                                          (flex and tiled by import path: they load the first
+                                          time a model names them)
     a class                               your own: MultiHeadAttention(..., backend=MyKernel)
     "package.module:ClassName"            your own, by import path, where only a string goes
                                           (GPTConfig.attention_backend, --model.attention_backend,
                                           a checkpoint): imported when the model is built
 """
 
-import importlib
-import re
-from collections.abc import Mapping
-from types import MappingProxyType
-
 from torch import Tensor
 
 from gptmini.attention.kernels.explicit import ExplicitKernel, explicit_attention
-from gptmini.attention.kernels.flex import FlexKernel
 from gptmini.attention.kernels.sdpa import SdpaKernel
-from gptmini.attention.kernels.tiled import TiledKernel
+from gptmini.attention.table import Table
 
 __all__ = ["KERNELS", "ExplicitKernel", "FlexKernel", "SdpaKernel", "TiledKernel", "attend",
            "backend_name", "explicit_attention", "is_backend_name", "make_kernel"]
 
-KERNELS: Mapping[str, type] = MappingProxyType({
+KERNELS = Table("backend", {
     "sdpa": SdpaKernel,
     "explicit": ExplicitKernel,
-    "flex": FlexKernel,
-    "tiled": TiledKernel,
+    "flex": "gptmini.attention.kernels.flex:FlexKernel",
+    "tiled": "gptmini.attention.kernels.tiled:TiledKernel",
 })
 """The built-in kernels by name (read-only: a kernel of your own is passed, not registered)."""
 
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _CHOICES = (f"one of {', '.join(KERNELS)}, a kernel class, or a kernel of your own by "
             "import path as 'package.module:ClassName'")
 
@@ -58,7 +54,7 @@ _CHOICES = (f"one of {', '.join(KERNELS)}, a kernel class, or a kernel of your o
 def is_backend_name(name: object) -> bool:
     """A built-in's name or an import path 'package.module:ClassName' (not imported here:
     whether a name is valid depends on the name alone)."""
-    return isinstance(name, str) and (name in KERNELS or _IMPORT_PATH.fullmatch(name) is not None)
+    return KERNELS.accepts(name)
 
 
 def backend_name(backend: str | type) -> str:
@@ -75,12 +71,9 @@ def make_kernel(backend: str | type):
         ValueError: an unknown name, an import path that does not import, or something that
             is not a class; the message names the input and the forms a backend takes.
     """
-    if isinstance(backend, str):
-        if not is_backend_name(backend):
-            raise ValueError(f"backend must be {_CHOICES}, got {backend!r}")
-        kernel = KERNELS.get(backend) or _imported(backend)
-    else:
-        kernel = backend
+    if isinstance(backend, str) and not is_backend_name(backend):
+        raise ValueError(f"backend must be {_CHOICES}, got {backend!r}")
+    kernel = KERNELS[backend] if isinstance(backend, str) else backend
     if not isinstance(kernel, type):
         raise ValueError(f"backend must be {_CHOICES}, got {backend!r}, which is not a class")
     return kernel()
@@ -137,18 +130,8 @@ def attend(kernel, backend: str | type, queries: Tensor, keys: Tensor, values: T
     return context_vec, weights
 
 
-def _imported(path: str) -> type:
-    module_name, _, qualname = path.partition(":")
-    try:
-        found = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"backend {path!r}: cannot import {module_name} ({err}); make it importable "
-            f"(install its package, or put its folder on PYTHONPATH), or use {_CHOICES}"
-        ) from None
-    for part in qualname.split("."):
-        if not hasattr(found, part):
-            raise ValueError(f"backend {path!r}: {module_name} has no {qualname}; name a "
-                             "class it defines, as 'package.module:ClassName'")
-        found = getattr(found, part)
-    return found
+def __getattr__(name: str) -> type:
+    """FlexKernel and TiledKernel by their names too, imported when first asked for."""
+    if name in ("FlexKernel", "TiledKernel"):
+        return KERNELS[name.removesuffix("Kernel").lower()]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

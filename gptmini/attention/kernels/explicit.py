@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptmini.attention.masks import apply_score_mod
-from gptmini.attention.sinks import softmax_with_sinks
 
 
 def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
@@ -38,7 +37,9 @@ def explicit_attention(queries: Tensor, keys: Tensor, values: Tensor, context,
     wide = torch.promote_types(attn_scores.dtype, torch.float32)
     if sinks is None:
         attn_weights = torch.softmax(attn_scores / divisor, dim=-1, dtype=wide)
-    else:
+    else:  # (loaded by the option that needs it)
+        from gptmini.attention.sinks import softmax_with_sinks
+
         attn_weights = softmax_with_sinks(attn_scores / divisor, sinks, wide)
     empty = context.empty_rows()
     if empty is not None:

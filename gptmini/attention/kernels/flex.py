@@ -1,4 +1,6 @@
-"""torch's FlexAttention with the context's BlockMask: masked blocks are skipped."""
+"""torch's FlexAttention with the context's mask as a BlockMask: masked blocks are skipped.
+
+Loaded the first time a model names it (the `flex` entry of the kernels' table)."""
 
 import functools
 import os
@@ -6,8 +8,10 @@ import os
 import torch
 from torch import Tensor
 
+from gptmini.attention import masks
 from gptmini.attention.kernels.sdpa import SdpaKernel
-from gptmini.attention.sinks import rescale_by_lse
+
+__all__ = ["FlexKernel", "block_mask", "context_block_mask"]
 
 
 class FlexKernel:
@@ -35,14 +39,16 @@ class FlexKernel:
             )
         flex = _flex_attention(queries)
         gqa = keys.shape[1] != queries.shape[1]
+        blocks = context_block_mask(context)
         if sinks is None:
-            return flex(queries, keys, values, block_mask=context.block_mask(),
-                        score_mod=context.score_mod, enable_gqa=gqa)
+            return flex(queries, keys, values, block_mask=blocks, score_mod=context.score_mod,
+                        enable_gqa=gqa)
         from torch.nn.attention.flex_attention import AuxRequest
 
-        out, aux = flex(queries, keys, values, block_mask=context.block_mask(),
-                        score_mod=context.score_mod, enable_gqa=gqa,
-                        return_aux=AuxRequest(lse=True))
+        from gptmini.attention.sinks import rescale_by_lse
+
+        out, aux = flex(queries, keys, values, block_mask=blocks, score_mod=context.score_mod,
+                        enable_gqa=gqa, return_aux=AuxRequest(lse=True))
         return rescale_by_lse(out, aux.lse, sinks)
 
 
@@ -61,3 +67,51 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def context_block_mask(context):
+    """The context's mask as a FlexAttention BlockMask, or None for all keys: made once per
+    forward pass for every layer (`context.once`); a mask that reads no data (causal,
+    window) is the same for every batch, built once per shape."""
+    if context.mask is None:
+        return None
+    if not context.data_dependent:
+        settings = context.settings
+        return _fixed_block_mask(settings.causal, settings.window_size, context.num_tokens,
+                                 context.num_keys, str(context.device))
+    return context.once("block_mask", lambda: block_mask(
+        context.mask, context.batch, context.num_tokens, context.num_keys, context.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_block_mask(causal: bool, window: int | None, num_tokens: int, num_keys: int,
+                      device: str):
+    # Causal and window block masks depend only on the shape: one per shape for the process
+    # (a pure memo of an immutable value, thread-safe), so compiled flex finds it again.
+    parts = [masks.causal if causal else masks.full]
+    if window is not None and num_keys > window:
+        parts.append(masks.sliding_window(window))
+    mask = parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+    return block_mask(mask, None, num_tokens, num_keys, device)
+
+
+def block_mask(mask: masks.MaskMod, batch: int | None, num_tokens: int, num_keys: int, device=None,
+               block_size: int = 128):
+    """The mask as a FlexAttention BlockMask (batch None: the same for every row).
+
+    FlexAttention counts queries from 0; the mask counts absolute positions, so queries are
+    shifted by num_keys - num_tokens.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = num_keys - num_tokens
+    shifted = mask if offset == 0 else _shift_queries(mask, offset)
+    return create_block_mask(shifted, batch, None, num_tokens, num_keys, device=device,
+                             BLOCK_SIZE=block_size)
+
+
+def _shift_queries(mask: masks.MaskMod, offset: int) -> masks.MaskMod:
+    def shifted(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mask(b, h, q_idx + offset, kv_idx)
+
+    return shifted

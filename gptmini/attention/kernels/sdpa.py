@@ -4,7 +4,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptmini.attention.kernels.explicit import explicit_attention
-from gptmini.attention.sinks import sdpa_with_sinks
 
 
 class SdpaKernel:
@@ -25,7 +24,9 @@ class SdpaKernel:
         if mod is not None and not getattr(mod, "additive", False):
             return explicit_attention(queries, keys, values, context, dropout_p,
                                       sinks=sinks)[0]
-        if sinks is not None:
+        if sinks is not None:  # (loaded by the option that needs it, as every sink's path)
+            from gptmini.attention.sinks import sdpa_with_sinks
+
             return sdpa_with_sinks(queries, keys, values, context, dropout_p, sinks)
         if mod is not None:
             bias = context.float_mask(queries.shape[1], queries.dtype)

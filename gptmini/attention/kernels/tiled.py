@@ -32,9 +32,9 @@ with the context's tile plan.
 import torch
 from torch import Tensor
 
-from gptmini.attention.masks import MaskMod, ScoreMod, apply_score_mod, index_grids, tile_plan
+from gptmini.attention.masks import MaskMod, ScoreMod, apply_score_mod, index_grids
 
-__all__ = ["TiledKernel", "tiled_attention"]
+__all__ = ["TiledKernel", "tile_plan", "tiled_attention"]
 
 
 @torch.compiler.disable
@@ -53,8 +53,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod | None = None
         tile: queries and keys per tile.
         skip_tiles: skip the tiles the mask hides entirely; False computes them, masked,
             which changes nothing but the time.
-        plan: `masks.tile_plan(mask, ...)` for these shapes and this tile, if already made
-            (an AttentionContext makes it once for every layer); None: made here.
+        plan: `tile_plan(mask, ...)` for these shapes and this tile, if already made
+            (once per forward pass for every layer: `TiledKernel`); None: made here.
         score_mod: (score, b, h, q_idx, kv_idx) -> score on each tile's scaled scores
             (ALiBi, soft-capping: gptmini.attention.masks), before the mask; tiles are still
             skipped by the mask alone.
@@ -211,5 +211,50 @@ class TiledKernel:
         group = queries.shape[1] // keys.shape[1]
         return tiled_attention(queries, keys.repeat_interleave(group, dim=1),
                                values.repeat_interleave(group, dim=1), context.mask,
-                               tile=self.tile, plan=context.tile_plan(self.tile),
+                               tile=self.tile, plan=self.plan(context),
                                score_mod=context.score_mod, sinks=sinks)
+
+    def plan(self, context) -> tuple[Tensor, Tensor] | None:
+        """(some, every) per (query tile, key tile) of the context's mask, on the host, or
+        None for all keys: made once per forward pass for every layer (`context.once`)."""
+        if context.mask is None:
+            return None
+
+        def make():
+            some, every = tile_plan(context.mask, context.batch, context.num_tokens,
+                                    context.num_keys, self.tile, context.device)
+            return some.cpu(), every.cpu()  # read once, on the host
+
+        return context.once(("tile_plan", self.tile), make)
+
+
+def tile_plan(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, tile: int,
+              device=None) -> tuple[Tensor, Tensor]:
+    """For each (query tile, key tile): may any query attend any key in it, and may all?
+
+    Evaluates the mask one row of tiles at a time, so memory stays (batch, tile, num_keys).
+
+    Returns:
+        (some, every), each (num_tokens / tile, num_keys / tile) booleans (tiles rounded up),
+        over the whole batch: a tile is skipped only if no row of the batch needs it, and
+        computed without the mask only if every row may attend all of it.
+    """
+    first = num_keys - num_tokens
+    q_tiles, k_tiles = -(-num_tokens // tile), -(-num_keys // tile)
+    some = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
+    every = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    kv = torch.arange(num_keys, device=device)[None, None, None, :]
+    pad = k_tiles * tile - num_keys  # the last tile may be short: pad it with its own values
+    for i in range(q_tiles):
+        q = torch.arange(first + i * tile, first + min((i + 1) * tile, num_tokens),
+                         device=device)[None, None, :, None]
+        allowed = mask(b, h, q, kv).expand(batch, 1, q.shape[2], num_keys)
+        if pad:  # repeat the last key's column: it changes neither "any" nor "all"
+            allowed = torch.cat([allowed, allowed[..., -1:].expand(*allowed.shape[:3], pad)], -1)
+        tiles = allowed.reshape(batch, q.shape[2], k_tiles, tile)  # (batch, tile, k_tiles, tile)
+        some[i] = tiles.any(dim=3).any(dim=1).any(dim=0)
+        every[i] = tiles.all(dim=3).all(dim=1).all(dim=0)
+    return some, every
+

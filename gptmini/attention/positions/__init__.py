@@ -14,22 +14,32 @@ every layer. Generation, FLOP counts and checkpoints ask the scheme (`relative`,
 `make_embedding`), never its name. A new scheme is one file here and its name in `SCHEMES`.
 """
 
-from collections.abc import Mapping
-from types import MappingProxyType
+import importlib
 
-from gptmini.attention.positions.alibi import AlibiPositions, alibi_slopes
 from gptmini.attention.positions.base import ModelShape, PositionScheme
 from gptmini.attention.positions.learned import LearnedPositions
 from gptmini.attention.positions.none import NoPositions
-from gptmini.attention.positions.rope import RotaryPositions, apply_rope, rope_angles
+from gptmini.attention.table import Table
 
 __all__ = ["SCHEMES", "AlibiPositions", "LearnedPositions", "ModelShape", "NoPositions",
            "PositionScheme", "RotaryPositions", "alibi_slopes", "apply_rope", "rope_angles"]
 
-SCHEMES: Mapping[str, type[PositionScheme]] = MappingProxyType({
+SCHEMES = Table("position scheme", {
     "learned": LearnedPositions,
-    "rope": RotaryPositions,
-    "alibi": AlibiPositions,
+    "rope": "gptmini.attention.positions.rope:RotaryPositions",
+    "alibi": "gptmini.attention.positions.alibi:AlibiPositions",
     "none": NoPositions,
 })
-"""Every scheme by the name GPTConfig.position gives it (read-only: this is the registry)."""
+"""Every scheme by the name GPTConfig.position gives it (read-only: this is the registry);
+the book's two are here, rotary and ALiBi load the first time a config names them."""
+
+_LAZY = {"RotaryPositions": "rope", "apply_rope": "rope", "rope_angles": "rope",
+         "AlibiPositions": "alibi", "alibi_slopes": "alibi"}
+
+
+def __getattr__(name: str):
+    """The rotary and ALiBi names, imported when first asked for."""
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

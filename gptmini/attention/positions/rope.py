@@ -7,11 +7,13 @@ use). Meta's original Llama weights rotate interleaved pairs (2i, 2i + 1) instea
 differ by a permutation of the query and key projections' rows (gptmini.convert.llama).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from gptmini.attention.errors import ArgumentError
 from gptmini.attention.positions.base import ModelShape, PositionScheme
 
 __all__ = ["RotaryPositions", "apply_rope", "rope_angles"]
@@ -27,16 +29,27 @@ class RotaryPositions(PositionScheme):
     theta: float = 10000.0
     """The base: frequency i of a head is theta ** (-2i / head_dim)."""
 
+    @staticmethod
+    def check_theta(theta: float) -> None:
+        """The rotary base's one rule (GPTConfig.rope_theta's too, whichever scheme a config
+        has): a finite number above 1; at 1 every frequency is 1, below it they grow with i
+        instead of falling.
+
+        Raises:
+            ArgumentError: naming rope_theta.
+        """
+        if (isinstance(theta, bool) or not isinstance(theta, int | float)
+                or not math.isfinite(theta) or theta <= 1):
+            raise ArgumentError("rope_theta", theta, "use a finite base above 1, such as 10000 "
+                                "(Llama 3: 500000)")
+
     def __post_init__(self):
         if self.head_dim % 2:
-            raise ValueError(
-                f"rotary positions turn dimensions in pairs, so a head's size must be even, "
-                f"and head_dim={self.head_dim} is odd: pick a number of heads that leaves "
-                "an even head size (the width / the heads)")
-        if isinstance(self.theta, bool) or not isinstance(self.theta, int | float) or (
-                self.theta <= 0):
-            raise ValueError(f"rope_theta must be a positive base such as 10000, got "
-                             f"{self.theta!r}")
+            raise ArgumentError("head_dim", self.head_dim, "rotary positions turn dimensions "
+                                f"in pairs, and a head's size of {self.head_dim} is odd: pick "
+                                "a number of heads that leaves an even head size (the width / "
+                                "the heads)")
+        self.check_theta(self.theta)
 
     @classmethod
     def from_config(cls, cfg: ModelShape) -> "RotaryPositions":

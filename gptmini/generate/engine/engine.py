@@ -72,18 +72,14 @@ class Engine:
                  num_blocks: int | None = None, max_batch: int = 32,
                  max_step_tokens: int | None = None, prefix_caching: bool = True,
                  num_local_blocks: int | None = None):
-        if getattr(model.cfg, "mla_kv_lora_rank", None) is not None:
-            # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
+        unpaged = [i for i, mixer in enumerate(model.mixers) if not mixer.pageable]
+        if unpaged:  # the pool's blocks are (num_kv_heads, head_dim) keys and values per slot
+            title = model.mixers[unpaged[0]].title
             raise ValueError(
-                "the engine cannot serve multi-head latent attention yet "
-                "(GPTConfig.mla_kv_lora_rank): its paged KV blocks hold per-head keys and "
-                "values, not latents; generate with gptmini.generate.generate instead")
-        if "deltanet" in (model.cfg.layer_kinds or ()):
-            raise ValueError(
-                "the engine cannot serve Gated DeltaNet layers yet (GPTConfig.layer_kinds "
-                f"{model.cfg.layer_kinds}): its paged blocks hold keys and values, not a "
-                "layer's fixed state; generate with generate.py --prompt (no --chat, no "
-                "--batch-file) or gptmini.generate.loop.generate")
+                f"the engine cannot serve {title} layers yet (layers {unpaged}): its paged "
+                f"blocks hold per-head keys and values, which a {title} layer does not keep; "
+                "generate with generate.py --prompt (no --chat, no --batch-file) or "
+                "gptmini.generate.loop.generate")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.context = model.cfg.context_length
         self.block_size, self.max_batch = block_size, max_batch

@@ -4,7 +4,7 @@ transformers' Qwen3NextGatedDeltaNet with the same weights, and its state is its
 import pytest
 import torch
 
-from gptmini.attention.deltanet import (
+from gptmini.variants.deltanet import (
     DeltaNetState,
     GatedDeltaNet,
     chunked_delta_rule,

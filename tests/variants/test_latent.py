@@ -4,14 +4,10 @@ its cache against recompute, and its absorbed decoding against the plain path.""
 import pytest
 import torch
 
-from gptmini.attention import (
-    AttentionContext,
-    AttentionSettings,
-    KVCache,
-    MultiHeadLatentAttention,
-)
+from gptmini.attention import AttentionContext, AttentionSettings, KVCache
 from gptmini.attention.positions import RotaryPositions
 from gptmini.model import GPTConfig, GPTModel
+from gptmini.variants import MultiHeadLatentAttention
 
 transformers = pytest.importorskip("transformers")
 

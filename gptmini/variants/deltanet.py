@@ -32,17 +32,26 @@ mask 0) neither writes nor forgets: its input is zeroed (k = v = 0), and its bet
 log-decay g too, so the state passes it unchanged. Left padding is then exact; so is padding
 on the right or between calls, except that the convolution's window still counts a padded
 position as an input of zero.
-Imports only torch.
+
+`DeltaNet` is the "deltanet" entry of the model's token mixers (gptmini.model.mixers): what a
+GPTModel asks of a Gated DeltaNet layer (GPTConfig.layer_kinds), and `GatedDeltaNetLayer` the
+layer called as a block calls its mixer.
 """
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["CHUNK_SIZE", "CONV_KERNEL", "DeltaNetState", "GatedDeltaNet", "chunked_delta_rule",
-           "recurrent_delta_rule"]
+from gptmini.attention import AttentionContext
+from gptmini.model import GPTConfig
+from gptmini.model.mixers import TokenMixer
+
+__all__ = ["CHUNK_SIZE", "CONV_KERNEL", "DeltaNet", "DeltaNetState", "GatedDeltaNet",
+           "GatedDeltaNetLayer", "chunked_delta_rule", "recurrent_delta_rule"]
 
 CHUNK_SIZE = 64
 """Tokens per chunk of the chunked form, by default (FLA's and Qwen3-Next's 64)."""
@@ -291,3 +300,81 @@ class GatedDeltaNet(nn.Module):
         inputs = torch.cat([tail.to(inputs.dtype), inputs], dim=-1)  # (b, channels, K-1+n)
         out = F.silu(self.conv1d(inputs))  # (b, channels, num_tokens)
         return out.transpose(1, 2), inputs[:, :, inputs.shape[-1] - (self.conv_kernel - 1):]
+
+
+class GatedDeltaNetLayer(GatedDeltaNet):
+    """A GatedDeltaNet called as a block calls its token mixer (gptmini.model.mixers): with
+    the pass's context, of which it reads the padding (left padding is zeroed: exact) and
+    refuses what it cannot do yet, and its `DeltaNetState` as the cache. Positions do not
+    enter it (the convolution and the decay order the tokens)."""
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None,
+                state: DeltaNetState | None = None, *,
+                context: AttentionContext | None = None, kv_cache: DeltaNetState | None = None,
+                return_weights: bool = False) -> Tensor:
+        """x (b, num_tokens, d_in) -> (b, num_tokens, d_in); `attention_mask` and `state` as
+        GatedDeltaNet's, or `context` and `kv_cache` as a block passes them."""
+        if return_weights:
+            raise ValueError("a Gated DeltaNet layer has no attention weights to return")
+        state = state if kv_cache is None else kv_cache
+        if state is not None and not isinstance(state, DeltaNetState):
+            raise ValueError(f"a Gated DeltaNet layer keeps a DeltaNetState, not a "
+                             f"{type(state).__name__}; make the caches with "
+                             "model.new_kv_caches()")
+        if context is not None:
+            if context.ragged is not None or context.document_ids is not None:
+                raise ValueError(
+                    "Gated DeltaNet layers (GPTConfig.layer_kinds) cannot yet restart their "
+                    "state inside a row: no packed documents (document_ids) and no engine "
+                    "steps; train without packing, generate with generate()")
+            if context.attention_mask is not None:  # (b, num_keys): the new tokens' part
+                attention_mask = context.attention_mask[:, -x.shape[1]:]
+        return super().forward(x, attention_mask, state)
+
+
+@dataclass(frozen=True)
+class DeltaNet(TokenMixer):
+    """Gated DeltaNet as a layer's token mixer (the "deltanet" entry of
+    gptmini.model.mixers.MIXERS): n_heads heads of emb_dim // n_heads, the norms' epsilon;
+    its cache is a fixed state, which neither pages, rolls nor has attention weights."""
+
+    title: ClassVar[str] = "Gated DeltaNet"
+    has_weights: ClassVar[bool] = False
+    pageable: ClassVar[bool] = False  # the engine's blocks hold keys and values
+    rolls: ClassVar[bool] = False  # a state cannot drop its oldest tokens
+    cfg: Any
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig) -> "DeltaNet":
+        return cls(cfg)
+
+    def make_module(self, layer: int, position_scheme) -> GatedDeltaNetLayer:
+        cfg = self.cfg
+        return GatedDeltaNetLayer(cfg.emb_dim, cfg.n_heads, cfg.emb_dim // cfg.n_heads,
+                                  norm_eps=cfg.norm_eps)
+
+    def new_cache(self, module: nn.Module) -> DeltaNetState:
+        return DeltaNetState()
+
+    def flops_per_token(self, layer: int, seq_len: int) -> float:
+        """H heads, k = v = head_dim = d / H, conv kernel K, chunks of C tokens.
+
+        Matmul weights: W_query, W_key, W_value, W_gate (d x d each), W_beta and W_decay
+        (d x H each), out_proj (d x d), and the depthwise convolution's K weights for each of
+        its 3 * d channels (2 * K FLOPs per channel and token forward, like a matmul weight).
+
+        The state update runs chunked in training (`chunked_delta_rule`). Per chunk and head,
+        forward: K_beta K^T and Q K^T (2 * C^2 * k each), two unit-triangular solves of C
+        rows for k and v right-hand columns (C^2 * (k + v), the BLAS trsm count), scores @ U
+        (2 * C^2 * v), and against the state U_per_state @ S, Q_decayed @ S and K_to_end^T @ U
+        (2 * C * k * v each). Per token: C * (5k + 3v) + 6 * k * v forward, times 3. A last
+        partial chunk is padded to C tokens and computed whole, so T is counted up to a
+        multiple of C. (Decoding runs the recurrent form instead: about 4 * k * v per head
+        and token, reading and writing the state; it is not training and not counted here.)
+        """
+        d, heads = self.cfg.emb_dim, self.cfg.n_heads
+        k = v = d // heads
+        weights = 5 * d * d + 2 * d * heads + 3 * d * CONV_KERNEL
+        chunks = math.ceil(seq_len / CHUNK_SIZE)
+        per_chunk = heads * (CHUNK_SIZE ** 2 * (5 * k + 3 * v) + 6 * CHUNK_SIZE * k * v)
+        return 6 * weights + 3 * chunks * per_chunk / seq_len

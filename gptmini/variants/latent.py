@@ -21,12 +21,17 @@ Two equal ways to attend (DeepSeek-V2, section 2.1.2):
                and attend over the latents themselves as one shared key/value head: no
                cached token is ever expanded (decoding: the query is one token)
 
-Both give the same output (tests/attention/test_latent.py checks it in float64). Parameter
+Both give the same output (tests/variants/test_latent.py checks it in float64). Parameter
 names are Hugging Face's DeepseekV3Attention's, except `out_proj` (its o_proj), the name
 every gptmini attention gives the projection into the residual stream.
+
+`LatentAttention` is the "mla" entry of the model's token mixers (gptmini.model.mixers):
+what a GPTModel asks of an MLA layer, from GPTConfig's mla_* fields, which it checks.
 """
 
 import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -36,8 +41,10 @@ from gptmini.attention.kernels import attend, make_kernel
 from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import NoPositions, PositionScheme
+from gptmini.model import ConfigError, GPTConfig
+from gptmini.model.mixers import TokenMixer
 
-__all__ = ["MultiHeadLatentAttention", "latent_cache_numbers"]
+__all__ = ["LatentAttention", "MultiHeadLatentAttention", "latent_cache_numbers"]
 
 
 def latent_cache_numbers(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
@@ -227,3 +234,91 @@ class MultiHeadLatentAttention(nn.Module):
                                       return_weights=return_weights)
         # (b, num_heads, num_tokens, rank) -> (b, num_heads, num_tokens, v_dim)
         return torch.einsum("bhnr,hvr->bhnv", context_vec, w_uv), weights
+
+
+@dataclass(frozen=True)
+class LatentAttention(TokenMixer):
+    """Multi-head latent attention as a layer's token mixer (the "mla" entry of
+    gptmini.model.mixers.MIXERS): DeepSeek's sizes from GPTConfig's mla_* fields, defaults
+    filled in (`dims`, under MultiHeadLatentAttention's keywords), and the options of the
+    book's attention it lacks refused by name."""
+
+    title: ClassVar[str] = "multi-head latent attention"
+    pageable: ClassVar[bool] = False  # its cache holds latents, not per-head keys and values
+    hf_layout: ClassVar[str | None] = "deepseek_v3"
+    cfg: Any
+    dims: dict
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig) -> "LatentAttention":
+        names = ("mla_kv_lora_rank", "mla_q_lora_rank", "mla_qk_nope_head_dim",
+                 "mla_qk_rope_head_dim", "mla_v_head_dim")
+        for name in names:
+            value = getattr(cfg, name)
+            if not (value is None and name != names[0]) and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(name, value, "use a positive integer" + (
+                    ", or None for the default" if name != names[0] else
+                    " (e.g. 4 * emb_dim // n_heads) for multi-head latent attention"))
+        head_dim = cfg.emb_dim // cfg.n_heads
+        dims = {"kv_lora_rank": cfg.mla_kv_lora_rank, "q_lora_rank": cfg.mla_q_lora_rank,
+                "qk_nope_head_dim": cfg.mla_qk_nope_head_dim or head_dim,
+                "qk_rope_head_dim": cfg.mla_qk_rope_head_dim or max(2, head_dim // 2),
+                "v_head_dim": cfg.mla_v_head_dim or head_dim}
+        mixer = cls(cfg, dims)
+        try:
+            mixer.scheme_of(cfg.position_scheme())
+        except ValueError:
+            raise ConfigError("mla_qk_rope_head_dim", cfg.mla_qk_rope_head_dim,
+                              "rotary dimensions turn in pairs: use an even size") from None
+        for field, fine, fix in (
+                ("n_kv_heads", cfg.n_kv_heads is None, "it shares its latent across heads "
+                 "already: leave n_kv_heads None"),
+                ("qk_norm", not cfg.qk_norm, "it normalizes its latents instead: leave "
+                 "qk_norm False"),
+                ("attn_sinks", not cfg.attn_sinks, "it has no sinks yet: leave attn_sinks "
+                 "False"),
+                ("attn_gate", cfg.attn_gate == "none", "it has no output gate yet: leave "
+                 "attn_gate 'none'"),
+                ("layer_windows", cfg.layer_windows is None, "it has one window for every "
+                 "layer: use window_size, or leave layer_windows None")):
+            if not fine:
+                raise ConfigError(field, getattr(cfg, field), "multi-head latent attention "
+                                  f"(mla_kv_lora_rank) has this option of attention's: {fix}")
+        return mixer
+
+    def scheme_of(self, scheme: PositionScheme) -> PositionScheme:
+        """The model's scheme as MLA uses it: a rotary one turns only the rotary part."""
+        if hasattr(scheme, "head_dim"):
+            return replace(scheme, head_dim=self.dims["qk_rope_head_dim"])
+        return scheme
+
+    def make_module(self, layer: int, position_scheme: PositionScheme
+                    ) -> MultiHeadLatentAttention:
+        cfg = self.cfg
+        return MultiHeadLatentAttention(
+            cfg.emb_dim, cfg.context_length, cfg.attention_dropout, cfg.n_heads, **self.dims,
+            qkv_bias=cfg.qkv_bias, window_size=cfg.window_size, backend=cfg.attention_backend,
+            position_scheme=self.scheme_of(position_scheme), out_bias=cfg.bias,
+            softcap=cfg.attn_softcap)
+
+    def flops_per_token(self, layer: int, seq_len: int) -> float:
+        """As training runs it, the plain path (the absorbed one is for decoding). Matmul
+        weights, with r = kv_lora_rank, qk = qk_nope_head_dim + qk_rope_head_dim,
+        v = v_head_dim, q = q_lora_rank:
+
+            query     d x (H * qk), or through its latent: d x q + q x (H * qk)
+            kv_a      d x (r + qk_rope_head_dim): the latent and the shared rotary key
+            kv_b      r x (H * (qk_nope_head_dim + v)): every token's latent up-projected once
+            out_proj  (H * v) x d
+
+        Scores over queries and keys qk wide (2 * T * H * qk forward) and values v wide
+        (2 * T * H * v): 6 * T * H * (qk + v) with backward, 12 * T * d when qk = v = d / H."""
+        d, heads, dims = self.cfg.emb_dim, self.cfg.n_heads, self.dims
+        rank, rope, v = dims["kv_lora_rank"], dims["qk_rope_head_dim"], dims["v_head_dim"]
+        qk = dims["qk_nope_head_dim"] + rope
+        q_rank = dims["q_lora_rank"]
+        query = d * heads * qk if q_rank is None else d * q_rank + q_rank * heads * qk
+        weights = (query + d * (rank + rope) + rank * heads * (dims["qk_nope_head_dim"] + v)
+                   + heads * v * d)
+        return 6 * weights + 6 * seq_len * heads * (qk + v)
