@@ -24,10 +24,10 @@ import torch
 from machine import cpu_description
 from torch.utils.data import DataLoader
 
+from gptmini.chat import BOOK
 from gptmini.data import resolve_source
 from gptmini.data.chat import PackedExamples, PaddedExamples, read_records, render_records
 from gptmini.data.vocab import fit_tokenizer
-from gptmini.finetune.chat import BOOK
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_precision
 from gptmini.tokenizer import load_tokenizer

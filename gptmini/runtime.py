@@ -75,6 +75,14 @@ def auto_precision(accelerator: str | None) -> tuple[str, str]:
     return "32-true", f"accelerator {accelerator!r}"
 
 
+def precision_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls run in under a Lightning precision ("bf16-mixed", "32-true")."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
 def auto_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """The dtype to generate in: "float32", "bfloat16", "float64" (exact comparisons), or
     "auto" (bf16 where native).

@@ -226,9 +226,33 @@ def load_tokenizer(path: str | os.PathLike) -> tiktoken.Encoding:
     return tokenizer_from_dict(data, where=f"tokenizer file {path}")
 
 
+def special_tokens(enc: tiktoken.Encoding) -> dict[str, int]:
+    """`enc`'s special tokens by text, with their ids (`<|endoftext|>`, a chat template's).
+
+    tiktoken keeps them in a private attribute; this module is the one place that reads it.
+    """
+    return dict(enc._special_tokens)
+
+
+def with_special_tokens(enc: tiktoken.Encoding, tokens: Iterable[str], name: str
+                        ) -> tiktoken.Encoding:
+    """`enc` with `tokens` as special tokens after its ids (in the order given; those it
+    has already keep their ids), named `name`; `enc` itself when it has them all. Its
+    ordinary tokens and split pattern are `enc`'s, so it encodes text to the same ids."""
+    specials = special_tokens(enc)
+    missing = [t for t in dict.fromkeys(tokens) if t not in specials]
+    if not missing:
+        return enc
+    n = enc.n_vocab
+    specials.update({token: n + k for k, token in enumerate(missing)})
+    return tiktoken.Encoding(name=name, pat_str=enc._pat_str,
+                             mergeable_ranks=enc._mergeable_ranks, special_tokens=specials,
+                             explicit_n_vocab=n + len(missing))
+
+
 def token_byte_lengths(enc: tiktoken.Encoding) -> list[int]:
     """Bytes of text each id stands for; 0 for special tokens (bits per byte skips them)."""
-    specials = set(enc._special_tokens.values())
+    specials = set(special_tokens(enc).values())
     return [0 if i in specials else len(enc.decode_single_token_bytes(i))
             for i in range(enc.n_vocab)]
 
@@ -275,7 +299,7 @@ def to_hf_tokenizer(enc: tiktoken.Encoding) -> dict:
     merges = [[spell(a), spell(b)] for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
               if len(token) > 1 for a, b in [_merge_of(token, ranks)]]
     added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for s, i in enc._special_tokens.items()]
+              "normalized": False, "special": True} for s, i in special_tokens(enc).items()]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
     return {
@@ -321,8 +345,9 @@ def from_hf_tokenizer(data: dict, name: str = "hf") -> tiktoken.Encoding:
 
 def tiktoken_ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
     """`enc`'s mergeable tokens and their ranks, for any encoding (registered ones too)."""
+    specials = set(special_tokens(enc).values())
     return {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab)
-            if i not in enc._special_tokens.values()}
+            if i not in specials}
 
 
 @cache

@@ -18,7 +18,8 @@ LAYERS = [
     "tokenizer",
     "threads",
     "runtime",     # the machine: device, precision, peak FLOP/s
-    "finetune",    # chat templates, loss masks, LoRA, the class head
+    "chat",        # chat templates, rendering, the assistant's mask, chat records
+    "finetune",    # LoRA, the class head, vocabulary growth
     "convert",     # Hugging Face layouts <-> GPTModel
     "checkpoint",  # the format; a path to a model and tokenizer
     "data",

@@ -41,6 +41,7 @@ from tiktoken import Encoding
 from torch import nn
 
 from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
+from gptmini.chat import ChatTemplate, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
 from gptmini.data.chat import read_records as read_chat_records
@@ -48,7 +49,6 @@ from gptmini.data.chat import render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits
-from gptmini.finetune.chat import ChatTemplate, template_for
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -151,7 +151,7 @@ def score_responses(model: nn.Module, tokenizer: Encoding, template: ChatTemplat
                     records: list[tuple[str, object]], *, batch_size: int = 8
                     ) -> ResponseScore:
     """Loss and bits per byte of the assistant's tokens alone over `records` (pairs of
-    where and record, as `gptmini.data.chat.read_records` gives them)."""
+    where and record, as `gptmini.chat.read_records` gives them)."""
     device = next(model.parameters()).device
     length = model.cfg.context_length
     examples, skipped = render_records(records, tokenizer, template, length, "drop")

@@ -20,6 +20,7 @@ import tiktoken
 import torch
 from torch import nn
 
+from gptmini.chat import ChatTemplate
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data.chat import split_records
 from gptmini.data.preference import (
@@ -28,7 +29,7 @@ from gptmini.data.preference import (
     render_pairs,
     to_pairs,
 )
-from gptmini.finetune.chat import ChatTemplate, grow_vocab
+from gptmini.finetune import grow_vocab
 from gptmini.finetune.dpo import dpo_loss
 from gptmini.finetune.reference import sequence_log_probs
 

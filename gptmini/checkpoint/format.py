@@ -25,6 +25,7 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
+from gptmini.chat import directory_template
 from gptmini.convert import (
     check_finite,
     directory_config,
@@ -33,7 +34,6 @@ from gptmini.convert import (
     read_json_object,
 )
 from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
-from gptmini.finetune.chat import directory_template
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype, resolve_device
 from gptmini.tokenizer import (

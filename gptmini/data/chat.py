@@ -1,14 +1,10 @@
 """Instruction and chat records to training examples, packed or padded.
 
-Records come as OpenAI's chat records (`{"messages": [{"role", "content"}, ...]}`, one per
-line of a .jsonl file) or as the book's Alpaca records (`{"instruction", "input",
-"output"}`, a .json list or .jsonl lines); the book's 1,100 ship in the package
-(`BOOK_RECORDS`, `--data.chat.records book`). An Alpaca record becomes a user message (the
-instruction, and its input under the book's "### Input:") and the assistant's answer.
-
-Each conversation is rendered once by its chat template (`gptmini.finetune.chat`) into
-ids and the assistant's mask; the targets are -100 wherever the next token is not the
-assistant's, so the loss counts the responses alone. Examples then become rows either way:
+Records are read as chat messages by `gptmini.chat` (OpenAI's chat records or the book's
+Alpaca records; `--data.chat.records book` is the book's 1,100). Each conversation is
+rendered once by its chat template (`gptmini.chat.render_chat`) into ids and the
+assistant's mask; the targets are -100 wherever the next token is not the assistant's, so
+the loss counts the responses alone. Examples then become rows either way:
 
     packed   whole examples back to back in rows of max_length tokens, each token with its
              example's number: the document mask keeps every example to itself, and
@@ -19,29 +15,15 @@ assistant's, so the loss counts the responses alone. Examples then become rows e
 bench/bench_chat.py measures both in useful (unpadded) tokens per second.
 """
 
-import json
 import random
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import tiktoken
 import torch
 from torch.utils.data import Dataset
 
-from gptmini.finetune.chat import (
-    BOOK,
-    GPTMINI,
-    TEMPLATES,
-    ChatDataError,
-    ChatTemplate,
-    check_messages,
-    directory_template,
-    render_chat,
-)
-
-BOOK_RECORDS = Path(__file__).parents[1] / "assets" / "instructions" / "instruction-data.json"
-"""The book's chapter 7 data: 1,100 Alpaca records (Apache-2.0, see the NOTICE beside it)."""
+from gptmini.chat import ChatDataError, ChatTemplate, read_records, render_chat, to_messages
+from gptmini.chat.records import Record
 
 
 @dataclass(frozen=True)
@@ -82,103 +64,6 @@ class Chat:
         return self.records is not None
 
 
-# ------------------------------------------------------------------------------- records
-
-
-def read_records(source: str | Path) -> list[tuple[str, object]]:
-    """Every record of a .json list or a .jsonl file, each with where it is ("FILE line N")."""
-    path = BOOK_RECORDS if str(source) == "book" else Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"chat records {source}: no such file; give 'book' or a "
-                                ".jsonl/.json file of chat or Alpaca records")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text ({err}); convert it") from None
-    if text.lstrip().startswith("["):
-        return list(_array_records(text, path))
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                records.append((f"{path} line {number}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {number}: not JSON ({err.msg}); each line "
-                                 "must be one record") from None
-    if not records:
-        raise ValueError(f"{path} holds no records")
-    return records
-
-
-def _array_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
-    """The items of a JSON array, each with the line it starts on."""
-    decoder, at = json.JSONDecoder(), text.index("[") + 1
-    while True:
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        if at >= len(text) or text[at] == "]":
-            return
-        try:
-            record, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {err.lineno}: not JSON ({err.msg})") from None
-        yield f"{path} line {text.count(chr(10), 0, at) + 1}", record
-        at = end
-
-
-def to_messages(record: object, where: str) -> list[dict]:
-    """A record as chat messages: its `messages`, or an Alpaca record's instruction (and
-    input, under the book's "### Input:") as the user's and its output as the assistant's.
-
-    Raises:
-        ChatDataError: neither form, or a field of the wrong type (naming `where`).
-    """
-    if isinstance(record, Mapping) and "messages" in record:
-        return check_messages(record["messages"], where, need_assistant=True)
-    if not isinstance(record, Mapping) or "instruction" not in record or "output" not in record:
-        found = sorted(record) if isinstance(record, Mapping) else type(record).__name__
-        raise ChatDataError(f"{where}: a record needs 'messages' (a chat record) or "
-                            f"'instruction' and 'output' (an Alpaca record); found {found}")
-    fields = {k: record.get(k, "") for k in ("instruction", "input", "output")}
-    for key, value in fields.items():
-        if not isinstance(value, str):
-            raise ChatDataError(f"{where}: '{key}' must be a string, got "
-                                f"{type(value).__name__}")
-    user = fields["instruction"] + (f"\n\n### Input:\n{fields['input']}" if fields["input"]
-                                    else "")
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": fields["output"]}]
-
-
-def is_alpaca(records: list[tuple[str, object]]) -> bool:
-    """Whether the records are Alpaca's (judged by the first): "auto" picks the book's
-    prompt for them."""
-    first = records[0][1]
-    return isinstance(first, Mapping) and "messages" not in first
-
-
-def load_template(name: str, tokenizer: tiktoken.Encoding) -> ChatTemplate:
-    """The template `--data.chat.template` names (after train.py resolved "auto")."""
-    if name in TEMPLATES:
-        return TEMPLATES[name]
-    path = Path(name)
-    if path.is_dir():
-        template = directory_template(path, tokenizer)
-        if template is None:
-            raise ValueError(f"chat template {name}: the directory has no chat_template in "
-                             "tokenizer_config.json (nor chat_template.jinja)")
-        return template
-    if path.suffix == ".json" and path.is_file():
-        return ChatTemplate.from_dict(json.loads(path.read_text()))
-    raise ValueError(f"chat template {name!r}: use auto, gptmini, book, a Hugging Face "
-                     "directory with a chat template, or a template's .json file")
-
-
-def auto_template(records: list[tuple[str, object]]) -> ChatTemplate:
-    """ "auto" without a source template: the book's prompt for Alpaca records, gptmini's
-    for chat records."""
-    return BOOK if is_alpaca(records) else GPTMINI
-
-
 # ------------------------------------------------------------------------------ examples
 
 
@@ -191,7 +76,7 @@ class Example:
     targets: list[int]
 
 
-def render_records(records: list[tuple[str, object]], tokenizer: tiktoken.Encoding,
+def render_records(records: list[Record], tokenizer: tiktoken.Encoding,
                    template: ChatTemplate, max_length: int, too_long: str = "error"
                    ) -> tuple[list[Example], int]:
     """(examples, how many were dropped for being longer than `max_length` + 1 tokens).

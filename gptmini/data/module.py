@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import tiktoken
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gptmini.data.chat import Chat, auto_template, chat_datasets, load_template, read_records
+from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca, read_records
+from gptmini.data.chat import Chat, chat_datasets
 from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
 from gptmini.data.windows import ResumableSampler
-from gptmini.finetune.chat import ChatTemplate
 from gptmini.tokenizer import get_tokenizer
 
 
@@ -45,6 +46,12 @@ class GPTDataModule(L.LightningDataModule):
         chat: fine-tuning on instruction or chat records instead of the corpus: rendered
             by a chat template, the loss on the assistant's tokens only, packed with
             document masks or padded (see `gptmini.data.chat`).
+        encoding: the tokenizer itself, as train.py's plan resolved it (not a flag); None:
+            `corpus.tokenizer` names it.
+        chat_template: the template for `chat`'s records, as train.py's plan chose it (not
+            a flag); None: `chat.template` names it, "auto" chosen by the same rule
+            (`gptmini.chat.choose_template`; a data module built without a plan knows of
+            no source model, so "auto" picks by the records).
 
     `hparams` (a checkpoint's ``datamodule_hyper_parameters``) is one flat dict of the three
     parts' fields, as it was before they were grouped; `settings.from_record` reads it back.
@@ -59,6 +66,9 @@ class GPTDataModule(L.LightningDataModule):
         loader: Loader = Loader(),  # noqa: B008
         labels: Labels = Labels(),  # noqa: B008
         chat: Chat = Chat(),  # noqa: B008
+        *,
+        encoding: tiktoken.Encoding | None = None,
+        chat_template: ChatTemplate | None = None,
     ):
         super().__init__()
         self.corpus, self.windows, self.loader = corpus, windows, loader
@@ -67,8 +77,10 @@ class GPTDataModule(L.LightningDataModule):
             raise ValueError("--data.labels and --data.chat are two kinds of fine-tune: set "
                              "one (labels classify records; chat tunes on conversations)")
         self.save_hyperparameters(as_record(corpus, windows, loader, labels, chat))
-        self.chat_template: ChatTemplate | None = None
-        """The template of a fine-tune on records, once set up (checkpoints carry it)."""
+        self._tokenizer = encoding
+        self.chat_template = chat_template
+        """The template of a fine-tune on records (checkpoints carry it); None until set
+        up when not given."""
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._train_sampler: ResumableSampler | None = None
@@ -76,6 +88,13 @@ class GPTDataModule(L.LightningDataModule):
         self._consumed: tuple[int, int] = (0, 0)  # (epoch, training batches taken in it)
 
     # -- tokens
+
+    @property
+    def tokenizer(self) -> tiktoken.Encoding:
+        """The run's tokenizer, which `corpus.tokenizer` names (the token cache's key)."""
+        if self._tokenizer is None:  # read when first needed: "bpe:N" names none until fitted
+            self._tokenizer = get_tokenizer(self.corpus.tokenizer)
+        return self._tokenizer
 
     def fit_tokenizer(self, vocab_size: int) -> Path:
         """Fit a BPE of `vocab_size` ids to this corpus's training split (cached); its path."""
@@ -97,7 +116,7 @@ class GPTDataModule(L.LightningDataModule):
 
     def setup_labelled(self, classes: list[str]) -> None:
         """The datasets of a classification run, with `classes` in the model's order."""
-        enc = get_tokenizer(self.corpus.tokenizer)
+        enc = self.tokenizer
         train, val = self.labelled_splits()
         source = self.labels.task or self.corpus.source
         self.train_dataset = LabeledDataset(train, enc, classes, self.windows.max_length,
@@ -107,11 +126,10 @@ class GPTDataModule(L.LightningDataModule):
 
     def setup_chat(self) -> None:
         """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
-        enc = get_tokenizer(self.corpus.tokenizer)
-        if self.chat.template == "auto":
-            self.chat_template = auto_template(read_records(self.chat.records))
-        else:
-            self.chat_template = load_template(self.chat.template, enc)
+        enc = self.tokenizer
+        if self.chat_template is None:
+            alpaca = self.chat.template == AUTO and is_alpaca(read_records(self.chat.records))
+            self.chat_template = choose_template(self.chat.template, enc, alpaca=alpaca)
         self.train_dataset, self.val_dataset, said = chat_datasets(
             self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)
         if self.trainer is None or self.trainer.is_global_zero:
@@ -145,7 +163,7 @@ class GPTDataModule(L.LightningDataModule):
                     f"{what} corpus {name} has {len(tokens)} tokens; max_length="
                     f"{max_length} needs at least {max_length + 1} for one window: {fix}"
                 )
-        eot = get_tokenizer(self.corpus.tokenizer).eot_token if self.windows.document_mask else None
+        eot = self.tokenizer.eot_token if self.windows.document_mask else None
         self.train_dataset = self.windows.over(train, document_token=eot)
         self.val_dataset = (
             self.windows.over(val, validation=True, document_token=eot) if len(val) else None
@@ -164,7 +182,7 @@ class GPTDataModule(L.LightningDataModule):
         dataset = self.val_dataset or self.train_dataset
         if dataset is None or len(dataset) == 0:
             return shakespeare
-        tokenizer = get_tokenizer(self.corpus.tokenizer)
+        tokenizer = self.tokenizer
         ids = torch.as_tensor(dataset[0][0])[:num_tokens].tolist()  # windows, records alike
         if tokenizer.eot_token in ids:  # a short first document: its own words only
             ids = ids[:ids.index(tokenizer.eot_token)]
@@ -217,7 +235,7 @@ class GPTDataModule(L.LightningDataModule):
                      drop_last: bool) -> DataLoader:
         collate = None
         if isinstance(dataset, LabeledDataset):
-            collate = partial(pad_batch, pad_id=get_tokenizer(self.corpus.tokenizer).eot_token)
+            collate = partial(pad_batch, pad_id=self.tokenizer.eot_token)
         return DataLoader(
             dataset,
             collate_fn=collate or getattr(dataset, "collate", None),  # chat rows pad their own

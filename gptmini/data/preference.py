@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from gptmini.data.chat import read_records, split_records
-from gptmini.finetune.chat import ChatDataError, ChatTemplate, check_messages, render_chat
+from gptmini.chat import ChatDataError, ChatTemplate, check_messages, read_records, render_chat
+from gptmini.data.chat import split_records
 
 PREFERENCE_RECORDS = (Path(__file__).parents[1] / "assets" / "preference"
                       / "instruction-data-with-preference.json")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gptmini.finetune.chat import check_messages
+from gptmini.chat import check_messages
 
 
 @dataclass(frozen=True)

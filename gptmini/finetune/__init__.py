@@ -1,6 +1,7 @@
-"""Fine-tuning a pretrained GPT: chat templates and the assistant's loss mask (chat.py), LoRA
-adapters (lora.py) and a class head read at each sequence's last real token (classify.py).
-Imports only torch, the model and the tokenizer."""
+"""Fine-tuning a pretrained GPT: LoRA adapters (lora.py), a class head read at each
+sequence's last real token (classify.py), and room in the vocabulary for a chat template's
+tokens (vocab.py). Imports only torch and the model; the chat format itself (templates, the
+assistant's loss mask) is `gptmini.chat`."""
 
 from gptmini.finetune.classify import (
     accuracy_and_confusion,
@@ -19,6 +20,7 @@ from gptmini.finetune.lora import (
     lora_layers,
     merge_lora,
 )
+from gptmini.finetune.vocab import grow_vocab
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -31,6 +33,7 @@ __all__ = [
     "base_fingerprint",
     "class_logits",
     "count_parameters",
+    "grow_vocab",
     "last_real_token",
     "lora_layers",
     "merge_lora",

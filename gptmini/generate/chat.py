@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TextIO
 
-from gptmini.finetune.chat import ChatDataError, ChatTemplate, render_chat
+from gptmini.chat import ChatDataError, ChatTemplate, render_chat
 from gptmini.generate.engine import Engine
 from gptmini.generate.sampling import SamplingParams
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from gptmini.chat import template_for
 from gptmini.checkpoint import load_on_device
-from gptmini.finetune.chat import template_for
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.engine import Engine
@@ -84,16 +84,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--seed {args.seed} is out of range: use an integer of 64 bits, "
                              f"from {SEED_RANGE[0]} to {SEED_RANGE[1] - 2**32 - 1}")
         device = resolve_device(args.device)
-        if args.prompt_file is not None:
-            if not args.prompt_file.is_file():
-                raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
-            try:
-                prompt = args.prompt_file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
-                                 f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
-        else:
-            prompt = args.prompt
+        prompt = read_prompt(args)
         if args.system is not None and not args.chat:
             raise ValueError("--system is the system prompt of --chat; add --chat")
         model, tokenizer, hparams = load_on_device(args.checkpoint or args.hf, device,
@@ -135,6 +126,23 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
           f"({len(drawn) / max(seconds, 1e-9):,.1f} tokens/s, model load not counted)",
           file=sys.stderr, flush=True)
     return 0
+
+
+def read_prompt(args) -> str:
+    """--prompt, or the text of --prompt_file.
+
+    Raises:
+        ValueError: the file is missing or not UTF-8, naming it and the fix.
+    """
+    if args.prompt_file is None:
+        return args.prompt
+    if not args.prompt_file.is_file():
+        raise ValueError(f"--prompt_file {args.prompt_file} does not exist")
+    try:
+        return args.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte "
+                         f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
 
 
 def chat_main(session: ChatSession) -> int:

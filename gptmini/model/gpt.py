@@ -200,8 +200,8 @@ class GPTModel(nn.Module):
             return_parts: with targets, return (loss, parts): `parts` the auxiliary losses
                 the layers computed in this pass by name, each a scalar already weighted
                 by its coefficient (a mixture of experts' load balance; {} for a model
-                without any), and `loss` the language-modelling loss plus their sum.
-                Without it the loss is the language-modelling loss alone (evaluation's).
+                without any), and `loss` the language-modelling loss plus their sum (but
+                per position with reduction "none"). Without it, the LM loss alone.
 
         Returns:
             Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
@@ -224,7 +224,8 @@ class GPTModel(nn.Module):
         if targets is not None:
             loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
                     if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
-            return (loss + sum(parts.values()), parts) if return_parts else loss
+            total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
+            return (total, parts) if return_parts else loss
         if isinstance(logits_to_keep, Tensor):
             x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
         elif logits_to_keep is not None:
@@ -245,9 +246,8 @@ class GPTModel(nn.Module):
         if targets is not None and (return_weights or logits_to_keep is not None):
             raise ValueError("with targets forward returns the loss; pass targets alone, or "
                              "ask for logits (logits_to_keep, return_weights) without them")
-        if return_parts and (targets is None or reduction == "none"):
-            raise ValueError("return_parts returns the loss and its auxiliary parts: pass "
-                             "targets with reduction 'mean' or 'sum'")
+        if return_parts and targets is None:
+            raise ValueError("return_parts returns the loss and its auxiliary parts: pass targets")
 
     def _context(self, in_idx: Tensor, attention_mask: Tensor | None,
                  document_ids: Tensor | None, kv_caches: list[BaseKVCache] | None,

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from gptmini.finetune.chat import ChatDataError, ChatTemplate, render_chat, template_for
+from gptmini.chat import ChatDataError, ChatTemplate, render_chat, template_for
 from gptmini.generate.engine import Engine, Request
 from gptmini.generate.sampling import RequestError, held_back
 from gptmini.serve.engine_thread import EngineLoop, Ticker

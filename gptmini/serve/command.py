@@ -6,8 +6,8 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from gptmini.chat import ChatDataError, template_for
 from gptmini.checkpoint import load_on_device
-from gptmini.finetune.chat import ChatDataError, template_for
 from gptmini.generate.engine import Engine
 from gptmini.runtime import add_device_options, resolve_device
 

@@ -12,7 +12,6 @@ import argparse
 import ctypes
 import ctypes.util
 import difflib
-import json
 import logging
 import os
 import signal
@@ -21,7 +20,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -30,30 +28,15 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gptmini.checkpoint import (
-    CONFIG_FIELDS,
     MODEL_PREFIX,
     check_readable,
-    model_config,
-    model_source,
     read_checkpoint,
-    tokenizer_entry,
 )
 from gptmini.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temporaries
 from gptmini.convert import check_finite
 from gptmini.data import Corpus, GPTDataModule
-from gptmini.data.chat import is_alpaca, load_template, read_records
-from gptmini.data.labels import Labels
-from gptmini.data.vocab import parse_bpe
-from gptmini.finetune.chat import add_template_tokens, directory_template
 from gptmini.model import is_finite_number
-from gptmini.runtime import AUTO, auto_precision
-from gptmini.tokenizer import (
-    get_tokenizer,
-    load_tokenizer,
-    save_tokenizer,
-    tokenizer_fingerprint,
-    tokenizer_from_dict,
-)
+from gptmini.runtime import AUTO
 from gptmini.train.callbacks import (
     AttentionMapCallback,
     ModelSummaryWithoutFlops,
@@ -66,7 +49,8 @@ from gptmini.train.callbacks import (
 )
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
-from gptmini.train.module import CHANGEABLE_FIELDS, GPTLitModule, contradictions
+from gptmini.train.module import GPTLitModule
+from gptmini.train.plan import plan_run
 from gptmini.train.progress import progress_bar
 from gptmini.train.report import RunReport
 from gptmini.train.run_lock import is_first_process, run_lock
@@ -95,8 +79,9 @@ TRAINER_DEFAULTS = {
 
 
 class GPTTrainer(Trainer):
-    """Lightning's Trainer, whose precision may also be "auto" (the default): bf16-mixed
-    where the device computes bf16 natively, 32-true elsewhere (see gptmini.runtime)."""
+    """Lightning's Trainer, whose precision may also be "auto" on train.py's command line (the
+    default): bf16-mixed where the device computes bf16 natively, 32-true elsewhere, a
+    resumed run's own; the run's plan decides it (`gptmini.train.plan.plan_precision`)."""
 
     def __init__(self, *, precision: str | int | None = AUTO, **kwargs):
         """Lightning's Trainer arguments.
@@ -107,11 +92,21 @@ class GPTTrainer(Trainer):
                 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true.
         """
         if precision == AUTO:
-            precision, _ = auto_precision(kwargs.get("accelerator"))
+            raise ValueError("precision 'auto' is decided by train.py's plan of the run "
+                             "(gptmini.train.plan.plan_precision); give the Trainer one of "
+                             "Lightning's, e.g. 32-true or bf16-mixed")
         super().__init__(precision=precision, **kwargs)
 
 
+PLANNED = {GPTLitModule: ("encoding",), GPTDataModule: ("encoding", "chat_template")}
+"""What the model and the data receive from the run's plan, as objects: no flags."""
+
+
 class GPTCLI(LightningCLI):
+    """train.py's command line: LightningCLI over `GPTLitModule` and `GPTDataModule`. The run
+    is resolved once, before either is built (`gptmini.train.plan.plan_run`), and both
+    receive the plan's objects beside their settings."""
+
     def add_arguments_to_parser(self, parser):
         parser.add_argument("--run_name", type=str, default="run",
                             help="Folder of this run under trainer.default_root_dir; a run "
@@ -140,206 +135,15 @@ class GPTCLI(LightningCLI):
         parser.link_arguments("model.context_length", "data.windows.max_length")
         parser.link_arguments("model.tokenizer", "data.corpus.tokenizer")
 
-    def instantiate_trainer(self, **kwargs) -> Trainer:
-        cfg = self.config
-        checkpoints = run_dir(self) / "checkpoints"
-        if cfg.trainer.logger in (None, True):
-            kwargs["logger"] = make_loggers(run_dir(self), cfg.run_name, cfg.wandb,
-                                            cfg.wandb_project)
-        self.trainer_defaults["callbacks"] = [
-            StepCheckpoint(dirpath=checkpoints, save_top_k=0, save_last=True,
-                           every_n_train_steps=cfg.checkpoint_every,
-                           enable_version_counter=False),
-            StepCheckpoint(dirpath=checkpoints, filename="best", monitor="val/loss",
-                           mode="min", save_top_k=1, enable_version_counter=False),
-            StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
-            ValidateFinalWeights(),  # the report, best.ckpt and the page end at the last step
-            SampleCallback(cfg.sample_every, cfg.sample_prompt),
-            RunReport(run_dir(self), cfg.sample_prompt),  # printed when the run ends
-        ]
-        if cfg.trainer.enable_progress_bar is not False:
-            # Refreshing reads the logged values off the device: only when they are logged.
-            every = max(1, cfg.trainer.log_every_n_steps) * max(
-                1, cfg.trainer.accumulate_grad_batches)
-            self.trainer_defaults["callbacks"].append(progress_bar(refresh_rate=every))
-        if cfg.trainer.enable_model_summary is not False:
-            self.trainer_defaults["callbacks"].append(ModelSummaryWithoutFlops())
-        if cfg.attention_every > 0:
-            maps = AttentionMapCallback(cfg.attention_every, cfg.sample_prompt)
-            self.trainer_defaults["callbacks"].append(maps)
-        # Checkpoints are written beside their target and renamed (see checkpoint_io).
-        plugins = _as_list(self.config_init.get("trainer.plugins"))
-        kwargs["plugins"] = [AtomicCheckpointIO(), *plugins]
-        return super().instantiate_trainer(**kwargs)
-
-    def before_instantiate_classes(self) -> None:
-        check_intervals(self.config)
-        self._name_after_corpus()
-        resumed = _saved(self.config.ckpt_path, run_dir(self))  # read once, for both
-        self._resolve_precision(resumed)
-        self._resolve_init_from(resumed)
-        self._resolve_tokenizer(resumed)
-        self._resolve_classes()
-        self._resolve_chat()
-        accelerator = str(self.config.trainer.accelerator)
-        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
-            raise ValueError(
-                f"--trainer.accelerator {accelerator}: this machine has no CUDA GPU (torch "
-                f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
-            )
-
-    def _name_after_corpus(self) -> None:
-        """A run given another corpus on the command line (--data.corpus.source) and no
-        --run_name is named after that corpus ("notes" for notes.txt): before, it kept its
-        config's name (shakespeare-cpu), whose checkpoints then refused it."""
-        given = [a.split("=", 1)[0] for a in getattr(self, "_command_line", [])]
-        if "--run_name" in given or "--data.corpus.source" not in given:
-            return
-        name = corpus_name(self.config)
-        if name is None:
-            return  # the embedded corpus keeps the config's name; a bad one errors later
-        self.config.run_name = name
-        if rank_zero_only.rank == 0:
-            print(f"run name: {name} (after the corpus; --run_name names it otherwise)",
-                  flush=True)
-
-    def _resolve_precision(self, checkpoint: dict) -> None:
-        """--trainer.precision auto, decided here and said: a resumed run keeps the precision
-        its checkpoint was trained in, on whatever machine it resumes."""
-        trainer = self.config.trainer
-        if trainer.precision != AUTO:
-            return
-        saved = checkpoint.get("precision")
-        if saved is not None:
-            trainer.precision, why = saved, "kept from the checkpoint being resumed"
-        else:
-            trainer.precision, why = auto_precision(trainer.accelerator)
-        if rank_zero_only.rank == 0:
-            print(f"precision: {trainer.precision} (auto: {why})", flush=True)
-
-    def _resolve_tokenizer(self, checkpoint: dict) -> None:
-        """--model.tokenizer bpe:N: the vocabulary fitted to this run's corpus (cached), saved
-        as the run directory's tokenizer.json; model and data then read that file. A resumed
-        run takes the vocabulary its checkpoint holds, whatever the corpus says now."""
-        model, data = self.config.model, self.config.data
-        if checkpoint:  # resuming: the vocabulary cannot change (older checkpoints: a name)
-            saved = tokenizer_entry(checkpoint)
-            if "tokens" not in saved:
-                say_overridden_tokenizer(model.tokenizer, saved["name"], None, checkpoint)
-                model.tokenizer = data.corpus.tokenizer = saved["name"]
-                return
-            enc = tokenizer_from_dict(saved, where=f"the checkpoint {self.config.ckpt_path}")
-            say_overridden_tokenizer(model.tokenizer, enc.name, enc.n_vocab, checkpoint)
-        else:
-            vocab_size = parse_bpe(model.tokenizer)
-            if vocab_size is None:
-                return
-            fitted = Corpus(**data.corpus.as_dict()).fit_tokenizer(vocab_size)
-            if self.config.trainer.fast_dev_run:  # a trial writes nothing in the run folder
-                model.tokenizer = data.corpus.tokenizer = str(fitted)
-                return
-            enc = load_tokenizer(fitted)
-        target = run_dir(self) / "tokenizer.json"
-        save_tokenizer(enc, target)  # the same file from every rank: an atomic rename each
-        model.tokenizer = data.corpus.tokenizer = str(target)
-
-    def _resolve_init_from(self, checkpoint: dict) -> None:
-        """--model.init_from: the architecture and the tokenizer come from the source (a
-        resumed run's, from its own checkpoint: the source may be gone). A model setting
-        given on the command line or in a --config that contradicts the source is refused,
-        naming both values; the settings not given take the source's."""
-        model = self.config.model
-        if not model.init_from:
-            return
-        if checkpoint:
-            source = tokenizer_from_dict(tokenizer_entry(checkpoint), "the checkpoint")
-            cfg, tokenizer = model_config(checkpoint, source.n_vocab), None
-        else:
-            cfg, tokenizer = model_source(model.init_from)
-        given = self._given("model")
-        contradicting = contradictions(cfg, {f: model[f] for f in given if f in CONFIG_FIELDS})
-        if contradicting:
-            said = "; ".join(f"--model.{f} {model[f]} (the source has {f}={getattr(cfg, f)!r})"
-                             for f in contradicting)
-            raise ValueError(
-                f"--model.init_from {model.init_from} fixes the architecture, and {said}. "
-                "Drop what contradicts it: the architecture comes from the source. A "
-                f"fine-tune may change {', '.join(CHANGEABLE_FIELDS[:-1])} and a "
-                f"context_length up to {cfg.context_length}")
-        for field, value in cfg.to_dict().items():
-            if field != "vocab_size" and field not in given:
-                model[field] = value
-        self.config.data.windows.max_length = model.context_length  # the link, once more
-        if tokenizer is not None:
-            self._take_source_tokenizer(tokenizer, "tokenizer" in given)
-
-    def _take_source_tokenizer(self, enc, given: bool) -> None:
-        """The source's tokenizer for model and data; a --model.tokenizer naming another
-        vocabulary is refused (the source's embeddings are trained for its ids)."""
-        model, data = self.config.model, self.config.data
-        asked = str(model.tokenizer)
-        if given and (parse_bpe(asked) is not None or tokenizer_fingerprint(
-                get_tokenizer(asked)) != tokenizer_fingerprint(enc)):
-            raise ValueError(
-                f"--model.tokenizer {asked} contradicts --model.init_from {model.init_from}, "
-                f"whose embeddings are trained for its own vocabulary ({enc.name}, "
-                f"{enc.n_vocab:,} ids): drop --model.tokenizer (the source's is used), or "
-                "drop init_from to train from scratch with the new vocabulary")
-        if enc.name == "gpt2":
-            model.tokenizer = data.corpus.tokenizer = "gpt2"
-            return
-        target = run_dir(self) / "tokenizer.json"
-        save_tokenizer(enc, target)
-        model.tokenizer = data.corpus.tokenizer = str(target)
-
-    def _resolve_classes(self) -> None:
-        """A classification run (--data.labels): the class names, from the training records
-        unless given, for the model's head and the data's label ids alike."""
-        model, labels = self.config.model, self.config.data.labels
-        if not (labels.task or labels.label_field):
-            if model.classes:
-                raise ValueError("--model.classes needs labelled data: set "
-                                 "--data.labels.label_field (or --data.labels.task)")
-            return
-        if not labels.classes:
-            data = GPTDataModule(Corpus(**self.config.data.corpus.as_dict()),
-                                 labels=Labels(**labels.as_dict()))
-            labels.classes = data.class_names()
-        model.classes = list(labels.classes)
-
-    def _given(self, section: str) -> set[str]:
-        """The `section` fields this invocation sets: by a flag, in a --config file, or to a
-        value other than the default run's."""
-        args = self._command_line or []
-        given = {a.split("=", 1)[0][len(section) + 3:] for a in args
-                 if a.startswith(f"--{section}.")}
-        for path in self.config.get("config") or []:
-            text = yaml.safe_load(Path(str(path)).read_text()) or {}
-            given |= set((text.get(section) or {}) if isinstance(text, dict) else ())
-        defaults = self.parser.get_defaults()[section].as_dict()
-        now = self.config[section].as_dict()
-        return given | {k for k, v in now.items() if k in defaults and v != defaults[k]}
-
-    def _resolve_chat(self) -> None:
-        """--data.chat.records: the template ("auto": the source model's own, else the
-        book's prompt for Alpaca records and gptmini's for chat records), and the tokens it
-        adds to the run's vocabulary (the model grows to fit them when it loads init_from,
-        `gptmini.finetune.chat.grow_vocab`)."""
-        model, data = self.config.model, self.config.data
-        chat = data.chat
-        if not chat.records:
-            return
-        records = read_records(chat.records)  # a missing or broken file fails here, early
-        enc = get_tokenizer(model.tokenizer)
-        if chat.template == "auto":
-            own = source_template(model.init_from, enc, run_dir(self))
-            chat.template = own or ("book" if is_alpaca(records) else "gptmini")
-        grown = add_template_tokens(enc, load_template(chat.template, enc))
-        if grown is not enc:
-            target = run_dir(self) / "tokenizer.json"
-            save_tokenizer(grown, target)
-            model.tokenizer = data.corpus.tokenizer = str(target)
+    def add_core_arguments_to_parser(self, parser):
+        """The trainer, model and data sections, as Lightning adds them, less what the
+        model and data receive from the plan (`PLANNED`)."""
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({f"trainer.{key}": value for key, value
+                             in self.trainer_defaults.items() if key != "callbacks"})
+        for key, cls in (("model", GPTLitModule), ("data", GPTDataModule)):
+            parser.add_class_arguments(cls, key, fail_untyped=False, sub_configs=True,
+                                       skip=set(PLANNED[cls]))
 
     def parse_arguments(self, parser, args):
         self._command_line = list(sys.argv[1:] if args is None else args)
@@ -351,51 +155,105 @@ class GPTCLI(LightningCLI):
             raise ValueError(f"--seed_everything {seed} is out of range: use an integer from "
                              f"0 to {2**32 - 1} (or true for a random one)")
 
+    def before_instantiate_classes(self) -> None:
+        check_intervals(self.config)
+        check_accelerator(str(self.config.trainer.accelerator))
+        self._name_after_corpus()
+        self.plan = plan_run(self.config, run_dir(self), self._given("model"), say)
 
-def source_template(source: str | None, tokenizer, run: Path) -> str | None:
-    """The chat template a fine-tune's source model has, as --data.chat.template names it:
-    a Hugging Face directory with a chat template (the directory), or a chat-tuned gptmini
-    checkpoint (its template, written to the run directory); None: it has none."""
-    if not source:
-        return None
-    path = Path(source)
-    if path.is_dir():
-        return str(path) if directory_template(path, tokenizer) is not None else None
-    entry = _saved(str(path), run).get("chat_template") if path.is_file() else None
-    if not entry:
-        return None
-    target = run / "chat_template.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(entry))
-    return str(target)
+    def instantiate_classes(self) -> None:
+        """Lightning's, with the model and the data built from their settings and the
+        plan's objects (jsonargparse's instantiators), then the trainer."""
+        plan = self.plan
+        objects = {GPTLitModule: {"encoding": plan.tokenizer},
+                   GPTDataModule: {"encoding": plan.tokenizer,
+                                   "chat_template": plan.chat_template}}
+        self.config_init = self.parser.instantiate(self.config, instantiators=[
+            (with_objects(given), cls, False) for cls, given in objects.items()])
+        self.model, self.datamodule = self.config_init["model"], self.config_init["data"]
+        self.trainer = self.instantiate_trainer()
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        cfg = self.config
+        if cfg.trainer.logger in (None, True):
+            kwargs["logger"] = make_loggers(run_dir(self), cfg.run_name, cfg.wandb,
+                                            cfg.wandb_project)
+        self.trainer_defaults["callbacks"] = run_callbacks(cfg, run_dir(self))
+        # Checkpoints are written beside their target and renamed (see checkpoint_io).
+        plugins = _as_list(self.config_init.get("trainer.plugins"))
+        kwargs["plugins"] = [AtomicCheckpointIO(), *plugins]
+        return super().instantiate_trainer(**kwargs)
+
+    def _name_after_corpus(self) -> None:
+        """A run given another corpus on the command line (--data.corpus.source) and no
+        --run_name is named after that corpus ("notes" for notes.txt): before, it kept its
+        config's name (shakespeare-cpu), whose checkpoints then refused it."""
+        given = [a.split("=", 1)[0] for a in self._command_line]
+        if "--run_name" in given or "--data.corpus.source" not in given:
+            return
+        name = corpus_name(self.config)
+        if name is None:
+            return  # the embedded corpus keeps the config's name; a bad one errors later
+        self.config.run_name = name
+        say(f"run name: {name} (after the corpus; --run_name names it otherwise)")
+
+    def _given(self, section: str) -> set[str]:
+        """The `section` settings this invocation gives: by a flag, or to a value other
+        than the defaults beneath it (the default run's; the classes' under a --config)."""
+        flags = {a.split("=", 1)[0][len(section) + 3:] for a in self._command_line
+                 if a.startswith(f"--{section}.")}
+        defaults = self.parser.get_defaults()[section].as_dict()
+        now = self.config[section].as_dict()
+        return flags | {k for k, v in now.items() if k in defaults and v != defaults[k]}
 
 
-def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None,
-                             checkpoint: dict) -> None:
-    """A resume keeps the checkpoint's vocabulary (`name`, `n_vocab` ids; its embeddings
-    are trained for those ids); a --model.tokenizer naming another one is said to be
-    overridden, as changed learning rates are named. Before, it was replaced silently."""
-    used = str(checkpoint.get("hyper_parameters", {}).get("tokenizer", name))
-    if asked in (used, name) or (n_vocab is not None and parse_bpe(asked) == n_vocab) or (
-            Path(asked).is_file() and Path(asked).resolve() == Path(used).resolve()):
-        return
+def run_callbacks(cfg, run: Path) -> list:
+    """The callbacks of a run in `run` (its directory): checkpoints at step boundaries,
+    signals, the last validation, samples, the report; the progress bar, the model summary
+    and attention maps when asked for."""
+    checkpoints = run / "checkpoints"
+    callbacks = [
+        StepCheckpoint(dirpath=checkpoints, save_top_k=0, save_last=True,
+                       every_n_train_steps=cfg.checkpoint_every, enable_version_counter=False),
+        StepCheckpoint(dirpath=checkpoints, filename="best", monitor="val/loss", mode="min",
+                       save_top_k=1, enable_version_counter=False),
+        StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
+        ValidateFinalWeights(),  # the report, best.ckpt and the page end at the last step
+        SampleCallback(cfg.sample_every, cfg.sample_prompt),
+        RunReport(run, cfg.sample_prompt),  # printed when the run ends
+    ]
+    if cfg.trainer.enable_progress_bar is not False:
+        # Refreshing reads the logged values off the device: only when they are logged.
+        every = max(1, cfg.trainer.log_every_n_steps) * max(1, cfg.trainer.accumulate_grad_batches)
+        callbacks.append(progress_bar(refresh_rate=every))
+    if cfg.trainer.enable_model_summary is not False:
+        callbacks.append(ModelSummaryWithoutFlops())
+    if cfg.attention_every > 0:
+        callbacks.append(AttentionMapCallback(cfg.attention_every, cfg.sample_prompt))
+    return callbacks
+
+
+def with_objects(objects: dict):
+    """A jsonargparse instantiator: the class built from its settings and `objects`."""
+    def instantiate(cls, *args, applied_instantiation_links=None, **settings):
+        return cls(*args, **settings, **objects)
+    return instantiate
+
+
+def say(line: str) -> None:
+    """Print a line of what the run decided, once (on rank 0)."""
     if rank_zero_only.rank == 0:
-        size = f", {n_vocab:,} ids" if n_vocab else ""
-        print(f"resuming: --model.tokenizer {asked} is overridden by the checkpoint's "
-              f"vocabulary ({name}{size}), which its embeddings are trained for; start a new "
-              f"--run_name to train with {asked}", flush=True)
+        print(line, flush=True)
 
 
-def _saved(ckpt_path: str | None, run: Path) -> dict:
-    """The checkpoint to resume, memory-mapped ({}: none, or unreadable; fit() reports an
-    unreadable one)."""
-    if ckpt_path is None:
-        return {}
-    path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    try:
-        return read_checkpoint(path, "cpu", mmap=True)
-    except (ValueError, FileNotFoundError):
-        return {}
+def check_accelerator(accelerator: str) -> None:
+    """--trainer.accelerator gpu on a machine without one: one line naming the fix."""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ValueError(
+            f"--trainer.accelerator {accelerator}: this machine has no CUDA GPU (torch "
+            f"{torch.__version__}, {build}); use --trainer.accelerator cpu or auto"
+        )
 
 
 def check_keys(parser, args: list[str]):

@@ -23,8 +23,8 @@ import tiktoken
 import torch
 from torch import Tensor, nn
 
+from gptmini.chat import ChatTemplate, render_chat
 from gptmini.data.verifiable import Problem, VerifiableTask
-from gptmini.finetune.chat import ChatTemplate, render_chat
 from gptmini.finetune.grpo import group_advantages, grpo_loss, zero_variance_share
 from gptmini.finetune.reference import Reference, token_log_probs
 from gptmini.generate.rollouts import Rollouts, rollout

@@ -8,15 +8,18 @@ model's shape is not one of those, and a resume may not change it.
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from gptmini.model import is_finite_number
+
 __all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIELDS", "OPTIMIZERS",
-           "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings", "check_muon_settings",
-           "check_optimizer", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
-           "orthogonalize", "warmup_cosine"]
+           "SETTINGS", "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings",
+           "check_muon_settings", "check_optimization", "check_optimizer", "check_settings",
+           "configure", "lr_factor",
+           "make_optimizer", "muon_adamw", "muon_class", "orthogonalize", "warmup_cosine"]
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
@@ -241,6 +244,46 @@ def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: fl
                      ns_coefficients=ns_coefficients, batched=batched)
 
 
+SETTINGS = {  # name: (the range it must be in, what to use)
+    "learning_rate": (lambda x: x > 0, "a positive number such as 1e-3"),
+    "muon_learning_rate": (lambda x: x > 0, "a positive number such as 2e-3"),
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "a number in [0, 1]"),
+    "warmup_steps": (lambda x: x >= 0, "an integer, 0 or more"),
+    "weight_decay": (lambda x: x >= 0, "a number, 0 or more, such as 0.1"),
+    # A beta of 1 never forgets: the moment estimates stay at their start.
+    "beta1": (lambda x: 0 <= x < 1, "a number in [0, 1), such as 0.9"),
+    "beta2": (lambda x: 0 <= x < 1, "a number in [0, 1), such as 0.95"),
+    "peak_flops": (lambda x: x > 0, "a positive number of FLOP/s, or None to measure it"),
+    "loss_chunk_size": (lambda x: x >= 1, "an integer, 1 or more, or None for all at once"),
+}
+"""GPTLitModule's optimization settings: each a finite number in its range."""
+
+
+def check_settings(**values) -> None:
+    """Refuse a setting of `SETTINGS` that is not a finite number in its range (None where
+    the setting allows it), naming its flag.
+
+    Raises:
+        ValueError: e.g. "--model.beta1 1.5 is invalid: use a number in [0, 1), such as 0.9".
+    """
+    for name, value in values.items():
+        in_range, what = SETTINGS[name]
+        if value is None and "None" in what:
+            continue
+        kind_ok = isinstance(value, int) if what.startswith("an integer") else True
+        if not (is_finite_number(value) and kind_ok and in_range(value)):
+            raise ValueError(f"--model.{name} {value!r} is invalid: use {what}")
+
+
+def check_optimization(settings: Mapping) -> None:
+    """Refuse optimization settings (a module's hyperparameters) that cannot train, naming
+    the flag: any of `SETTINGS` out of its range, an optimizer this torch cannot build (before
+    any data is read), Muon's Newton-Schulz settings."""
+    check_settings(**{name: settings[name] for name in SETTINGS})
+    check_optimizer(settings["optimizer"])
+    check_muon_settings(settings["muon_ns_steps"], settings["muon_ns_coefficients"])
+
+
 def check_muon_settings(ns_steps: int, ns_coefficients: str) -> None:
     """Raise a ValueError naming the field unless Newton-Schulz can run with these."""
     if not isinstance(ns_steps, int) or not 1 <= ns_steps <= 20:
@@ -277,6 +320,26 @@ def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
                           ns_coefficients=muon_ns_coefficients)
     return adamw(model.parameters(), learning_rate=learning_rate, weight_decay=weight_decay,
                  betas=betas, device=device)
+
+
+def configure(model: nn.Module, settings, *, name: str, device: torch.device, sharded: bool,
+              total_steps: int) -> dict:
+    """The optimizer `name` and its warmup-cosine schedule, as Lightning's
+    `configure_optimizers` returns them, from a module's hyperparameters (`settings`: the
+    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio)."""
+    optimizer = make_optimizer(model, name, learning_rate=settings.learning_rate,
+                               muon_learning_rate=settings.muon_learning_rate,
+                               weight_decay=settings.weight_decay,
+                               betas=(settings.beta1, settings.beta2), device=device,
+                               sharded=sharded,
+                               muon_ns_steps=settings.get("muon_ns_steps", 5),
+                               muon_ns_coefficients=settings.get("muon_ns_coefficients",
+                                                                 "jordan"))
+    schedule = warmup_cosine(optimizer, warmup_steps=min(settings.warmup_steps, total_steps),
+                             total_steps=total_steps, min_ratio=settings.min_lr_ratio,
+                             asked_warmup=settings.warmup_steps)
+    return {"optimizer": optimizer,
+            "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

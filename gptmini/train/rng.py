@@ -3,10 +3,11 @@ checkpoints and restored on resume, so that a resumed run draws the dropout mask
 uninterrupted one would."""
 
 import random
+import warnings
 
 import torch
 
-__all__ = ["rng_states", "set_rng_states"]
+__all__ = ["every_rank_states", "restore_rank_states", "rng_states", "set_rng_states"]
 
 
 def rng_states() -> dict:
@@ -27,3 +28,30 @@ def set_rng_states(states: dict) -> None:
 def _as_tuples(value):
     """random.setstate wants the tuples that a checkpoint round trip may turn into lists."""
     return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def every_rank_states(world_size: int) -> list[dict]:
+    """Every rank's `rng_states`, in rank order: every rank saves, rank 0 writes."""
+    states = rng_states()
+    if world_size > 1 and torch.distributed.is_initialized():
+        per_rank = [None] * world_size
+        torch.distributed.all_gather_object(per_rank, states)
+        return per_rank
+    return [states]
+
+
+def restore_rank_states(states: list | dict | None, rank: int, world_size: int) -> None:
+    """Restore this rank's own states of a checkpoint's `every_rank_states` (a dict: from
+    before one state per rank), saying so when the world size changed and dropout will
+    differ from an uninterrupted run. None or empty: nothing to restore."""
+    if not states:
+        return
+    if isinstance(states, dict):
+        states = [states]
+    if len(states) != world_size:
+        warnings.warn(
+            f"the checkpoint holds the random state of {len(states)} rank(s) and this run "
+            f"has {world_size}: dropout will differ from an uninterrupted run",
+            stacklevel=2,
+        )
+    set_rng_states(states[rank % len(states)])

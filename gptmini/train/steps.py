@@ -1,11 +1,17 @@
 """Optimizer steps as a training run sees them from its hooks: whether the optimizer stepped
-at the batch now ending (the one signal every step-counting hook reads), and the steps
-skipped for a non-finite loss or gradient, counted on the device until the next check."""
+at the batch now ending (the one signal every step-counting hook reads), the steps skipped
+for a non-finite loss or gradient, counted on the device until the next check, and the
+throughput of the steps between two logging steps."""
+
+import math
+import time
+from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
-__all__ = ["OptimizerSteps", "SkippedSteps"]
+__all__ = ["OptimizerSteps", "SkippedSteps", "Throughput", "clip_gradients"]
 
 
 class OptimizerSteps:
@@ -68,8 +74,28 @@ class SkippedSteps:
         self.count += bad
         self.first = torch.where(bad & (self.first < 0), step, self.first)
 
-    def raise_if_any(self, step: int) -> None:
-        """Raise FloatingPointError if a step up to `step` was skipped, naming the first."""
+    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, norm: Tensor, step: int,
+                           precision: str) -> None:
+        """A NaN or infinite loss or gradient (a NaN loss makes NaN gradients, hence a NaN
+        `norm`) never updates the weights.
+
+        Fused AdamW skips its update on the device when `found_inf` is set (what a grad
+        scaler does), so nothing waits for the answer; the step is counted on the device
+        and reported at the next logging step or checkpoint save. fp16 mixed precision
+        overflows on purpose and its grad scaler skips those steps itself.
+        """
+        if precision == "16-mixed":
+            return
+        bad = ~torch.isfinite(norm)
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()
+        elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
+            optimizer.zero_grad(set_to_none=True)
+        self.record(bad, step)
+
+    def raise_if_any(self, step: int, weights: Iterable[Tensor] = ()) -> None:
+        """Raise FloatingPointError if a step up to `step` was skipped, naming the first; or
+        if any of `weights` (a checkpoint's about to be written) is not finite."""
         skipped = 0 if self.count is None else int(self.count)
         if skipped:
             raise FloatingPointError(
@@ -79,3 +105,69 @@ class SkippedSteps:
                 "Lower --model.learning_rate, raise --model.warmup_steps or set "
                 "--trainer.gradient_clip_val, then resume with --ckpt_path last"
             )
+        if not all(bool(torch.isfinite(w).all()) for w in weights):
+            raise FloatingPointError(
+                f"the weights hold NaN or infinite values at step {step}, so no checkpoint "
+                "was written; the last one is intact. Resume from it with a lower "
+                "--model.learning_rate: --ckpt_path last")
+
+
+def clip_gradients(parameters: Sequence[nn.Parameter], clip: float | None, algorithm: str | None,
+                   wrapped: nn.Module) -> Tensor:
+    """Measure the gradients' norm in one pass and clip by it (Lightning's gradient_clip_val
+    and gradient_clip_algorithm; None or 0 measures without clipping), without waiting on
+    the device; `wrapped` is the strategy's model (FSDP's norm spans every rank's shards).
+
+    Returns:
+        The norm before clipping, a 0-d tensor.
+    """
+    if algorithm == "value":
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                     for g in grads]))
+        torch.nn.utils.clip_grad_value_(parameters, clip)
+        return norm
+    if isinstance(wrapped, FullyShardedDataParallel):
+        return wrapped.clip_grad_norm_(clip or math.inf)
+    return torch.nn.utils.clip_grad_norm_(parameters, clip or math.inf)
+
+
+class Throughput:
+    """Tokens per second and model FLOPs utilization over a logging interval (data wait,
+    forward, backward, optimizer), validation left out.
+
+    Args:
+        flops_per_token: the model's training FLOPs per token (`gptmini.model.flops`).
+        peak_flops: one device's peak FLOP/s; None until measured (`gptmini.runtime`).
+    """
+
+    def __init__(self, flops_per_token: float, peak_flops: float | None = None):
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new interval (training starts, or validation ended)."""
+        self._start, self._tokens = time.perf_counter(), 0
+
+    def count(self, tokens: int) -> None:
+        """Add a training batch's tokens to the interval."""
+        self._tokens += tokens
+
+    def window(self, world_size: int) -> dict[str, float]:
+        """The interval's "tokens_per_sec" over every rank (each counts its own) and "mfu"
+        when the peak is known; a new interval starts."""
+        now = time.perf_counter()
+        tokens_per_sec = self._tokens * world_size / (now - self._start)
+        self._start, self._tokens = now, 0
+        rates = {"tokens_per_sec": tokens_per_sec}
+        if self.peak_flops:
+            rates["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak_flops * world_size)
+        return rates
+
+    def describe(self, dtype: torch.dtype, device: str) -> str:
+        """How MFU is computed here, with the figures it uses (the peak's for `dtype`)."""
+        peak = f"{self.peak_flops / 1e12:.3g} TFLOP/s" if self.peak_flops else "unknown"
+        dtype = str(dtype).removeprefix("torch.")
+        return (f"MFU: tokens/s x {self.flops_per_token / 1e6:.1f} MFLOP per token (6N + "
+                "attention, gptmini.model.flops; N = matmul weights with the head) / peak "
+                f"({peak} for {dtype} on {device})")

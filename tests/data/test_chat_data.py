@@ -7,18 +7,18 @@ import json
 import pytest
 import torch
 
-from gptmini.data import Corpus, GPTDataModule, Loader, Windows
-from gptmini.data.chat import (
+from gptmini.chat import (
+    BOOK,
     BOOK_RECORDS,
-    Chat,
-    PackedExamples,
-    PaddedExamples,
+    GPTMINI,
+    RenderedChat,
+    add_template_tokens,
     read_records,
-    render_records,
-    split_records,
+    render_chat,
     to_messages,
 )
-from gptmini.finetune.chat import BOOK, GPTMINI, RenderedChat, add_template_tokens, render_chat
+from gptmini.data import Corpus, GPTDataModule, Loader, Windows
+from gptmini.data.chat import Chat, PackedExamples, PaddedExamples, render_records, split_records
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from gptmini.chat import BOOK, BOOK_PREAMBLE, GPTMINI, ChatDataError, add_template_tokens
 from gptmini.data.preference import (
     PREFERENCE_RECORDS,
     Preference,
@@ -19,7 +20,6 @@ from gptmini.data.preference import (
     to_pair,
     to_pairs,
 )
-from gptmini.finetune.chat import BOOK, BOOK_PREAMBLE, GPTMINI, ChatDataError, add_template_tokens
 from gptmini.finetune.dpo import dpo_loss
 from gptmini.finetune.reference import sequence_log_probs
 from gptmini.model import GPTConfig, GPTModel

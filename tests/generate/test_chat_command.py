@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import save_checkpoint, scripted_model
 
+from gptmini.chat import GPTMINI, add_template_tokens, render_chat
 from gptmini.checkpoint import load_checkpoint
-from gptmini.finetune.chat import GPTMINI, add_template_tokens, render_chat
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.command import generate_main
 from gptmini.generate.engine import Engine

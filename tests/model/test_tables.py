@@ -116,6 +116,8 @@ def test_a_model_without_auxiliary_losses_has_no_parts(tiny_config):
     torch.testing.assert_close(loss, model(idx, targets=targets), rtol=0, atol=0)
     chunked, parts = model(idx, targets=targets, return_parts=True, loss_chunk_size=5)
     torch.testing.assert_close(chunked, loss)
+    per_token, parts = model(idx, targets=targets, reduction="none", return_parts=True)
+    torch.testing.assert_close(per_token, model(idx, targets=targets, reduction="none"))
     with pytest.raises(ValueError, match="return_parts returns the loss"):
         model(idx, return_parts=True)
 

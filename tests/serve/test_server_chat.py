@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 from helpers import scripted_model  # noqa: E402
 from test_page import serve  # noqa: E402
 
-from gptmini.finetune.chat import BOOK, GPTMINI, add_template_tokens, render_chat  # noqa: E402
+from gptmini.chat import BOOK, GPTMINI, add_template_tokens, render_chat  # noqa: E402
 from gptmini.generate.engine import Engine  # noqa: E402
 from gptmini.serve.app import choice_seed, create_app  # noqa: E402
 from gptmini.tokenizer import byte_tokenizer  # noqa: E402

@@ -10,9 +10,9 @@ import torch
 from helpers import tiny_args
 
 from gptmini.analysis.evaluate import evaluate_main
+from gptmini.chat import BOOK, GPTMINI, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.convert import export_hf
-from gptmini.finetune.chat import BOOK, GPTMINI, template_for
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.train.command import main
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from gptmini.chat import GPTMINI, add_template_tokens, render_chat
 from gptmini.data.verifiable import Addition, Problem, VerifiableTask
-from gptmini.finetune.chat import GPTMINI, add_template_tokens, render_chat
 from gptmini.generate import generate
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer

@@ -1,26 +1,30 @@
 """Chat templates: identical ids to `transformers`' `apply_chat_template` on a fixed set of
 conversations, the assistant's mask checked against the text each message should train,
-the vocabulary's growth, and errors that name the record and the field."""
+the one "auto" rule, and errors that name the record and the field."""
 
 import json
 
 import pytest
 import tiktoken
-import torch
 
-from gptmini.finetune.chat import (
+from gptmini.chat import (
     BOOK,
     GPTMINI,
     ChatDataError,
     ChatTemplate,
     add_template_tokens,
+    choose_template,
     directory_template,
-    grow_vocab,
     render_chat,
     template_for,
 )
-from gptmini.model import GPTConfig, GPTModel
-from gptmini.tokenizer import get_tokenizer, split_pattern, to_hf_tokenizer, train_bpe
+from gptmini.tokenizer import (
+    get_tokenizer,
+    split_pattern,
+    tiktoken_ranks,
+    to_hf_tokenizer,
+    train_bpe,
+)
 
 # Written for these tests in the formats of Llama 3.1's and Qwen3's templates: Llama's
 # header tokens, its trimmed contents, its default date; Qwen's ChatML and its empty
@@ -102,7 +106,7 @@ def chat_dir(tmp_path_factory):
     base = train_bpe([TEXT], 320)
     names = ["<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
              "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
-    ranks = base._mergeable_ranks
+    ranks = tiktoken_ranks(base)
     enc = tiktoken.Encoding(name="chat-test", pat_str=split_pattern(base), mergeable_ranks=ranks,
                             special_tokens={t: len(ranks) + i for i, t in enumerate(names)})
     directory = tmp_path_factory.mktemp("chat")
@@ -207,29 +211,6 @@ def test_targets_are_minus_100_except_where_the_assistant_wrote_the_next_token()
     assert targets.count(tokenizer.encode_single_token("<|end|>")) == 2
 
 
-def test_gptminis_tokens_grow_the_vocabulary_and_the_model_with_mean_rows():
-    byte = get_tokenizer("byte")
-    grown = add_template_tokens(byte, GPTMINI)
-    assert grown.n_vocab == byte.n_vocab + 4 and add_template_tokens(grown, GPTMINI) is grown
-    assert grown.encode("hi") == byte.encode("hi")  # old ids unchanged
-    for tied in (True, False):
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=257, context_length=16, emb_dim=8, n_heads=2, n_layers=1,
-                        tie_weights=tied)
-        model = GPTModel(cfg).eval()
-        ids = torch.tensor([[1, 2, 3]])
-        before = model(ids)
-        old_emb = model.tok_emb.weight.detach().clone()
-        grow_vocab(model, grown.n_vocab)
-        assert model.cfg.vocab_size == 261 and model.tok_emb.weight.shape[0] == 261
-        assert (model.out_head.weight is model.tok_emb.weight) == tied
-        torch.testing.assert_close(model.tok_emb.weight[257:],
-                                   old_emb.mean(0).expand(4, -1))
-        after = model(ids)
-        torch.testing.assert_close(after[..., :257], before)  # the old logits do not move
-        assert after.shape[-1] == 261
-
-
 def test_template_for_picks_the_checkpoints_then_gptminis_then_the_books():
     byte = get_tokenizer("byte")
     assert template_for(byte) is BOOK
@@ -257,3 +238,20 @@ def test_a_template_the_tokenizer_cannot_encode_is_refused():
     with pytest.raises(ChatDataError, match=r"cannot be encoded by tokenizer 'byte': it has no "
                                             r"special token <\|system\|>.*add_template_tokens"):
         render_chat(CONVERSATIONS["system"], get_tokenizer("byte"), GPTMINI)
+
+
+def test_auto_is_one_rule_the_source_models_template_first_then_one_for_the_records(tmp_path):
+    gpt2 = get_tokenizer("gpt2")
+    own = ChatTemplate(name="theirs", source=GPTMINI.source, stop=("<|endoftext|>",))
+    assert choose_template("auto", gpt2, alpaca=True) is BOOK
+    assert choose_template("auto", gpt2, alpaca=False) is GPTMINI
+    # a source model's own template wins over the records' kind, both kinds
+    assert choose_template("auto", gpt2, alpaca=True, source=own) is own
+    assert choose_template("auto", gpt2, alpaca=False, source=own) is own
+    # a named template is that template, whatever the source has
+    assert choose_template("book", gpt2, alpaca=False, source=own) is BOOK
+    saved = tmp_path / "t.json"
+    saved.write_text(json.dumps(own.to_dict()))
+    assert choose_template(str(saved), gpt2, alpaca=True) == own
+    with pytest.raises(ValueError, match="chat template 'chatml': use auto, gptmini, book"):
+        choose_template("chatml", gpt2, alpaca=True)

@@ -9,7 +9,7 @@ import torch
 from helpers import make_model, save_checkpoint
 
 from gptmini.analysis.evaluate import evaluate_main
-from gptmini.finetune.chat import BOOK_PREAMBLE
+from gptmini.chat import BOOK_PREAMBLE
 from gptmini.tokenizer import get_tokenizer
 
 BYTES = get_tokenizer("byte")

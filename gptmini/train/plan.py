@@ -1,0 +1,263 @@
+"""A run resolved once: the plan train.py works out before it builds anything.
+
+The settings name things (a tokenizer, "auto" precision, a source to start from, a chat
+template, labelled records); `plan_run` turns each into what it is, once and in this one
+place, in the order each depends on the last:
+
+    precision       "auto": the checkpoint's when resuming, else bf16 where the device has it
+    source          --model.init_from read (`Source`): its architecture fills the model
+                    settings not given, and a setting that contradicts it is refused
+    tokenizer       a resume's own, the source's, a fitted bpe:N, or the one named
+    classes         a classification run's, from its training records unless given
+    chat template   "auto": the source's own, else the book's (Alpaca) or gptmini's (chat);
+                    the tokens it adds grow the tokenizer
+
+The LightningModule and the DataModule receive the plan's objects (train.py hands them
+over); the config is rewritten with what each resolved to (a saved tokenizer's path, the
+template, the precision), so the run's saved config, its hparams and --print_config read
+as the run that trained.
+"""
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+
+from gptmini.chat import (
+    AUTO,
+    TEMPLATES,
+    ChatTemplate,
+    add_template_tokens,
+    choose_template,
+    is_alpaca,
+    read_records,
+)
+from gptmini.checkpoint import CONFIG_FIELDS, read_checkpoint, tokenizer_entry
+from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.labels import Labels
+from gptmini.data.vocab import parse_bpe
+from gptmini.runtime import AUTO as AUTO_PRECISION
+from gptmini.runtime import auto_precision
+from gptmini.tokenizer import (
+    get_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    tokenizer_from_dict,
+)
+from gptmini.train.source import CHANGEABLE_FIELDS, Source, contradictions
+
+Say = Callable[[str], None]
+"""Prints a line of what was decided (rank 0 only)."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run is, resolved once.
+
+    Attributes:
+        tokenizer: the run's vocabulary (a chat template's tokens included).
+        precision: Lightning's precision ("bf16-mixed", "32-true", ...).
+        source: the model the run starts from (--model.init_from), or None.
+        chat_template: what a fine-tune on records renders them with, or None.
+        classes: a classifier's class names, in its head's order, or None.
+        context_length: the model's, which the data's windows follow.
+    """
+
+    tokenizer: tiktoken.Encoding
+    precision: str
+    source: Source | None
+    chat_template: ChatTemplate | None
+    classes: tuple[str, ...] | None
+    context_length: int
+
+
+def plan_run(config, run: Path, given: Collection[str], say: Say) -> RunPlan:
+    """Resolve the run `config` (train.py's parsed settings) describes, and write what each
+    setting resolved to back into `config`.
+
+    Args:
+        run: the run's directory (a fitted or grown vocabulary and a source's chat
+            template are saved there).
+        given: the model settings this invocation sets (on the command line, or to a value
+            other than the default run's): the ones a source must not contradict.
+        say: prints a line of what was decided.
+
+    Raises:
+        ValueError: a setting that contradicts another or the source, naming both.
+    """
+    resumed = resumed_checkpoint(config.ckpt_path, run)
+    precision = plan_precision(config.trainer, resumed, say)
+    source = plan_source(config, resumed, given)
+    tokenizer = plan_tokenizer(config, resumed, source, given, run, say)
+    classes = plan_classes(config)
+    template, tokenizer = plan_chat(config, tokenizer, source, run)
+    return RunPlan(tokenizer, precision, source, template, classes, config.model.context_length)
+
+
+def resumed_checkpoint(ckpt_path: str | None, run: Path) -> dict:
+    """The checkpoint to resume, memory-mapped ({}: none, or unreadable; fit() reports an
+    unreadable one)."""
+    if ckpt_path is None:
+        return {}
+    path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    try:
+        return read_checkpoint(path, "cpu", mmap=True)
+    except (ValueError, FileNotFoundError):
+        return {}
+
+
+def plan_precision(trainer, checkpoint: dict, say: Say) -> str:
+    """--trainer.precision; "auto" decided here and said: a resumed run keeps the precision
+    its checkpoint was trained in, on whatever machine it resumes."""
+    if trainer.precision != AUTO_PRECISION:
+        return str(trainer.precision)
+    saved = checkpoint.get("precision")
+    if saved is not None:
+        trainer.precision, why = saved, "kept from the checkpoint being resumed"
+    else:
+        trainer.precision, why = auto_precision(trainer.accelerator)
+    say(f"precision: {trainer.precision} (auto: {why})")
+    return trainer.precision
+
+
+def plan_source(config, checkpoint: dict, given: Collection[str]) -> Source | None:
+    """--model.init_from: the source's architecture (a resumed run's, from its own
+    checkpoint: the source may be gone). A model setting given that contradicts it is
+    refused, naming both values; the settings not given take the source's."""
+    model = config.model
+    if not model.init_from:
+        return None
+    if checkpoint:
+        saved = tokenizer_from_dict(tokenizer_entry(checkpoint), "the checkpoint")
+        source = Source.resumed(model.init_from, checkpoint, saved.n_vocab)
+    else:
+        source = Source.read(model.init_from)
+    cfg = source.config
+    contradicting = contradictions(cfg, {f: model[f] for f in given if f in CONFIG_FIELDS})
+    if contradicting:
+        said = "; ".join(f"--model.{f} {model[f]} (the source has {f}={getattr(cfg, f)!r})"
+                         for f in contradicting)
+        raise ValueError(
+            f"--model.init_from {model.init_from} fixes the architecture, and {said}. "
+            "Drop what contradicts it: the architecture comes from the source. A "
+            f"fine-tune may change {', '.join(CHANGEABLE_FIELDS[:-1])} and a "
+            f"context_length up to {cfg.context_length}")
+    for field, value in cfg.to_dict().items():
+        if field != "vocab_size" and field not in given:
+            model[field] = value
+    config.data.windows.max_length = model.context_length  # the link, once more
+    return source
+
+
+def plan_tokenizer(config, checkpoint: dict, source: Source | None, given: Collection[str],
+                   run: Path, say: Say) -> tiktoken.Encoding:
+    """The run's vocabulary: a resumed run's own (its embeddings are trained for it,
+    whatever --model.tokenizer says now), a source's, "bpe:N" fitted to the corpus (cached)
+    and saved in the run directory, or the one --model.tokenizer names."""
+    asked = str(config.model.tokenizer)
+    if checkpoint:
+        saved = tokenizer_entry(checkpoint)
+        if "tokens" not in saved:  # older checkpoints: a name
+            say_overridden_tokenizer(asked, saved["name"], None, checkpoint, say)
+            return record_tokenizer(config, get_tokenizer(saved["name"]), run, saved["name"])
+        enc = tokenizer_from_dict(saved, where=f"the checkpoint {config.ckpt_path}")
+        say_overridden_tokenizer(asked, enc.name, enc.n_vocab, checkpoint, say)
+        return record_tokenizer(config, enc, run)
+    if source is not None:
+        check_source_tokenizer(asked, "tokenizer" in given, source)
+        return record_tokenizer(config, source.tokenizer, run,
+                                "gpt2" if source.tokenizer.name == "gpt2" else None)
+    vocab_size = parse_bpe(asked)
+    if vocab_size is None:
+        return get_tokenizer(asked)
+    fitted = Corpus(**config.data.corpus.as_dict()).fit_tokenizer(vocab_size)
+    if config.trainer.fast_dev_run:  # a trial writes nothing in the run folder
+        return record_tokenizer(config, load_tokenizer(fitted), run, str(fitted))
+    return record_tokenizer(config, load_tokenizer(fitted), run)
+
+
+def record_tokenizer(config, enc: tiktoken.Encoding, run: Path,
+                     name: str | None = None) -> tiktoken.Encoding:
+    """Write `enc` into the model and data settings: by `name` when it has one that loads
+    it, else saved as the run directory's tokenizer.json (the same file from every rank:
+    an atomic rename each). Returns `enc`."""
+    if name is None:
+        name = str(save_tokenizer(enc, run / "tokenizer.json"))
+    config.model.tokenizer = config.data.corpus.tokenizer = name
+    return enc
+
+
+def check_source_tokenizer(asked: str, given: bool, source: Source) -> None:
+    """A --model.tokenizer naming another vocabulary than the source's is refused (the
+    source's embeddings are trained for its ids)."""
+    enc = source.tokenizer
+    if given and (parse_bpe(asked) is not None or tokenizer_fingerprint(
+            get_tokenizer(asked)) != tokenizer_fingerprint(enc)):
+        raise ValueError(
+            f"--model.tokenizer {asked} contradicts --model.init_from {source.path}, "
+            f"whose embeddings are trained for its own vocabulary ({enc.name}, "
+            f"{enc.n_vocab:,} ids): drop --model.tokenizer (the source's is used), or "
+            "drop init_from to train from scratch with the new vocabulary")
+
+
+def say_overridden_tokenizer(asked: str, name: str, n_vocab: int | None, checkpoint: dict,
+                             say: Say) -> None:
+    """A resume keeps the checkpoint's vocabulary (`name`, `n_vocab` ids; its embeddings
+    are trained for those ids); a --model.tokenizer naming another one is said to be
+    overridden, as changed learning rates are named. Before, it was replaced silently."""
+    used = str(checkpoint.get("hyper_parameters", {}).get("tokenizer", name))
+    if asked in (used, name) or (n_vocab is not None and parse_bpe(asked) == n_vocab) or (
+            Path(asked).is_file() and Path(asked).resolve() == Path(used).resolve()):
+        return
+    size = f", {n_vocab:,} ids" if n_vocab else ""
+    say(f"resuming: --model.tokenizer {asked} is overridden by the checkpoint's vocabulary "
+        f"({name}{size}), which its embeddings are trained for; start a new --run_name to "
+        f"train with {asked}")
+
+
+def plan_classes(config) -> tuple[str, ...] | None:
+    """A classification run (--data.labels): the class names, from the training records
+    unless given, for the model's head and the data's label ids alike."""
+    model, labels = config.model, config.data.labels
+    if not (labels.task or labels.label_field):
+        if model.classes:
+            raise ValueError("--model.classes needs labelled data: set "
+                             "--data.labels.label_field (or --data.labels.task)")
+        return None
+    if not labels.classes:
+        data = GPTDataModule(Corpus(**config.data.corpus.as_dict()),
+                             labels=Labels(**labels.as_dict()))
+        labels.classes = data.class_names()
+    model.classes = list(labels.classes)
+    return tuple(labels.classes)
+
+
+def plan_chat(config, tokenizer: tiktoken.Encoding, source: Source | None, run: Path
+              ) -> tuple[ChatTemplate | None, tiktoken.Encoding]:
+    """--data.chat.records: the template (`gptmini.chat.choose_template`, the one rule for
+    "auto": the source model's own first), and the tokenizer with the tokens it adds (the
+    model grows to fit them when it loads its source, `gptmini.finetune.grow_vocab`)."""
+    chat = config.data.chat
+    if not chat.records:
+        return None, tokenizer
+    records = read_records(chat.records)  # a missing or broken file fails here, early
+    own = source.chat_template if source is not None else None
+    template = choose_template(chat.template, tokenizer, alpaca=is_alpaca(records), source=own)
+    if chat.template == AUTO:  # the config names what was chosen: a built-in, or a file
+        built_in = TEMPLATES.get(template.name) == template
+        chat.template = template.name if built_in else str(
+            save_template(template, run / "chat_template.json"))
+    grown = add_template_tokens(tokenizer, template)
+    if grown is not tokenizer:
+        record_tokenizer(config, grown, run)
+    return template, grown
+
+
+def save_template(template: ChatTemplate, path: Path) -> Path:
+    """Write `template` where `--data.chat.template` can name it (a .json file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(template.to_dict()))
+    return path

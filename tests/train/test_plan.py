@@ -1,0 +1,93 @@
+"""The run resolved once (`gptmini.train.plan`): the model and the data receive the plan's
+objects, a data module built in Python picks what train.py picks, and "auto" is one rule,
+the source model's own template first."""
+
+import json
+
+import pytest
+import torch
+from helpers import save_checkpoint, tiny_args
+
+from gptmini.chat import BOOK, GPTMINI
+from gptmini.data import Corpus, GPTDataModule, Loader, Windows
+from gptmini.data.chat import Chat
+from gptmini.data.labels import Labels
+from gptmini.model import GPTConfig, GPTModel
+from gptmini.train.command import build_cli
+
+ALPACA = [{"instruction": "Name a colour.", "input": "", "output": "Blue."}] * 40
+CHAT = [{"messages": [{"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}]}] * 40
+
+
+def records(tmp_path, name: str, rows: list) -> str:
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def python_datamodule(cli, **parts) -> GPTDataModule:
+    """The data module a user builds in Python from the same data settings as `cli`'s,
+    without the plan (the tokenizer as the run saved it)."""
+    data = cli.config.data
+    corpus = Corpus(**{**data.corpus.as_dict(), "tokenizer": cli.config.model.tokenizer})
+    return GPTDataModule(corpus,
+                         Windows(**data.windows.as_dict()), Loader(**data.loader.as_dict()),
+                         **parts)
+
+
+@pytest.mark.parametrize(("rows", "template"), [(ALPACA, BOOK), (CHAT, GPTMINI)])
+def test_a_datamodule_built_in_python_picks_the_template_train_py_picks(tmp_path, corpus,
+                                                                        rows, template):
+    path = records(tmp_path, "records.jsonl", rows)
+    cli = build_cli(tiny_args(tmp_path, corpus, "--data.chat.records", path,
+                              "--model.context_length", "64"))
+    assert cli.plan.chat_template == template
+    # one tokenizer object, resolved once, in the module and the data alike
+    assert cli.model.tokenizer is cli.datamodule.tokenizer is cli.plan.tokenizer
+    cli.datamodule.setup("fit")
+    mine = python_datamodule(cli, chat=Chat(records=path))  # template "auto", as given
+    mine.setup("fit")
+    assert mine.chat_template == cli.datamodule.chat_template == template
+    assert mine.tokenizer.n_vocab == cli.model.tokenizer.n_vocab
+
+
+def test_a_datamodule_built_in_python_finds_the_classes_train_py_finds(tmp_path, corpus):
+    path = tmp_path / "labelled.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"text {i}", "label": "ab"[i % 2]})
+                              for i in range(40)))
+    args = tiny_args(tmp_path, path, "--data.labels.label_field", "label")
+    cli = build_cli(args)
+    assert cli.plan.classes == ("a", "b") and cli.model.task.classes == ("a", "b")
+    mine = python_datamodule(cli, labels=Labels(label_field="label"))
+    assert tuple(mine.class_names()) == cli.plan.classes
+
+
+def test_auto_takes_the_source_models_own_template_over_the_records_kind(tmp_path, corpus):
+    """A chat-tuned source carries the book's template; chat records alone would pick
+    gptmini's: the run keeps the source's format (before, a data module built without the
+    command line picked by the records)."""
+    torch.manual_seed(0)
+    source = GPTModel(GPTConfig(vocab_size=50257, context_length=16, emb_dim=32, n_heads=2,
+                                n_layers=2, drop_rate=0.0))
+    path = save_checkpoint(source, tmp_path / "source.ckpt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["chat_template"] = BOOK.to_dict()
+    torch.save(ckpt, path)
+    cli = build_cli(tiny_args(tmp_path, corpus, "--model.init_from", str(path),
+                              "--data.chat.records", records(tmp_path, "c.jsonl", CHAT)))
+    assert cli.plan.source.chat_template == BOOK and cli.plan.chat_template == BOOK
+    assert cli.datamodule.chat_template is cli.plan.chat_template
+    # the run's config names what was chosen, so its saved config and hparams read true
+    assert cli.config.data.chat.template == "book"
+    assert cli.plan.tokenizer.n_vocab == 50257  # the book's template adds no tokens
+
+
+def test_the_model_and_data_objects_are_no_flags_and_print_config_stays_a_config(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["--print_config"])
+    printed = capsys.readouterr().out
+    assert "encoding" not in printed.replace("encoding_errors", "")
+    assert "chat_template" not in printed
+    with pytest.raises(SystemExit):
+        build_cli(["--model.encoding", "gpt2"])
