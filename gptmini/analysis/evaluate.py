@@ -41,6 +41,7 @@ from tiktoken import Encoding
 from torch import nn
 
 from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
+from gptmini.analysis.verifiable import score_task
 from gptmini.chat import ChatTemplate, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
@@ -492,6 +493,10 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         help="with --preference: the model the margins are measured against "
                              "(a checkpoint, or none for the model's own log-probability "
                              "margins); default: a preference run's starting weights")
+    parser.add_argument("--task", nargs="?", const="auto", default=None,
+                        help="score pass@1 on a verifiable task's held-out prompts (greedy, "
+                             "one try each): with no value the run's RL task, or addition, "
+                             "reverse, count")
     parser.add_argument("--split", default="validation", help="the hub dataset's split")
     parser.add_argument("--limit", type=int, default=None, help="score the first N examples")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -519,9 +524,17 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             score = score_choices(model, tokenizer, examples, total=len(examples))
             return say(f"{name}: {score.examples:,} examples\n"
                        f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
+        hparams = run_data_settings(args.checkpoint)
+        if args.data is None and args.responses is None and args.task is None:
+            # a run on pairs or a task: what it was tuned for, by default
+            args.preference = args.preference or ("auto" if hparams.get("preference") else None)
+            args.task = "auto" if hparams.get("rl") else None
         if args.preference is not None:
             return _print_preferences(model, tokenizer, loaded_hparams, args)
-        hparams = run_data_settings(args.checkpoint)
+        if args.task is not None:
+            score, name = score_task(model, tokenizer, template_for(tokenizer, loaded_hparams),
+                                     args.task, loaded_hparams, hparams, args.limit)
+            return say(f"{name}\npass@1 {score:.4f}")
         if args.responses is None and args.data is None and hparams.get("records"):
             args.responses = "auto"  # a run on chat records: its held-out responses
         if args.responses is not None:

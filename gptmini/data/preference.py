@@ -163,6 +163,13 @@ def read_pairs(source: str | Path) -> list[tuple[str, object]]:
     return read_records(path)
 
 
+def is_book_layout(records: list[tuple[str, object]]) -> bool:
+    """Whether the records are in the book's layout (judged by the first): "auto" renders
+    them with the book's prompt, as the instruction data."""
+    first = records[0][1] if records else None
+    return isinstance(first, Mapping) and "instruction" in first
+
+
 def to_pairs(records: list[tuple[str, object]], identical: str = "error"
              ) -> tuple[list[PreferencePair], int]:
     """(the records as pairs, in order; how many identical pairs were left out).
@@ -199,6 +206,12 @@ class RenderedPair:
     @property
     def longest(self) -> int:
         return max(len(self.chosen_inputs), len(self.rejected_inputs))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt's ids, up to where the response starts."""
+        start = next(i for i, t in enumerate(self.chosen_targets) if t != -100)
+        return self.chosen_inputs[:start + 1]
 
 
 def render_pair(pair: PreferencePair, tokenizer: tiktoken.Encoding, template: ChatTemplate

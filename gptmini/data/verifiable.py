@@ -26,18 +26,19 @@ import re
 import string
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
 
 from gptmini.chat import check_messages
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One prompt of a task: the user's message(s), and what its checker reads."""
+class Problem(NamedTuple):
+    """One prompt of a task: the user's message(s), and what its checker reads (a tuple, so
+    that a batch of them passes through Lightning's device transfer as it is)."""
 
     messages: tuple[dict, ...]
-    record: Mapping = field(default_factory=dict)
+    record: Mapping = MappingProxyType({})
     """A built-in task's {"answer": ...}; a file's record as it was written."""
     where: str = ""
     """Where it came from ("FILE line N", or the task and seed), for errors."""

@@ -23,6 +23,28 @@ averaged per token (the book's chapter 7 bonus)."""
 
 
 @dataclass(frozen=True)
+class DPO:
+    """Direct Preference Optimization's settings (`--model.dpo.*`); train.py sets them for a
+    run on preference pairs (--data.preference.records)."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference: larger keeps it closer (the paper's
+    and the book's 0.1)."""
+    variant: str = "paper"
+    """"paper": a response's log-probability summed over its tokens (eq. 7); "book": averaged
+    per token (the book's chapter 7 bonus)."""
+
+    def __post_init__(self):
+        check_beta(self.beta)
+        check_variant(self.variant)
+
+    @property
+    def average(self) -> bool:
+        """Whether log-probabilities are averaged per response token (the book's)."""
+        return self.variant == "book"
+
+
+@dataclass(frozen=True)
 class DPOTerms:
     """One batch's DPO loss and what it says about the pairs.
 
@@ -75,13 +97,13 @@ def check_beta(beta: float) -> None:
     """Raise a ValueError naming beta unless it is a positive finite number."""
     if not isinstance(beta, int | float) or isinstance(beta, bool) or not 0 < beta < float(
             "inf"):
-        raise ValueError(f"dpo beta={beta!r} must be a positive number, such as 0.1 (the "
-                         "paper's and the book's)")
+        raise ValueError(f"--model.dpo.beta {beta!r} is invalid: use a positive number, such "
+                         "as 0.1 (the paper's and the book's)")
 
 
 def check_variant(variant: str) -> None:
     """Raise a ValueError naming the variant unless it is one of VARIANTS."""
     if variant not in VARIANTS:
-        raise ValueError(f"dpo variant={variant!r}: use 'paper' (log-probabilities summed "
+        raise ValueError(f"--model.dpo.variant {variant!r}: use 'paper' (log-probabilities summed "
                          "over the response, eq. 7) or 'book' (averaged per token, the "
                          "book's chapter 7 bonus)")

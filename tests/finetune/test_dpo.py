@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gptmini.finetune import add_lora
-from gptmini.finetune.dpo import check_variant, dpo_loss
+from gptmini.finetune.dpo import DPO, check_variant, dpo_loss
 from gptmini.finetune.lora import adapters_off
 from gptmini.finetune.reference import Reference, sequence_log_probs
 from gptmini.model import GPTConfig, GPTModel
@@ -45,10 +45,13 @@ def test_beta_scales_the_logit_and_a_bad_beta_or_variant_is_named():
     args = [torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0])]
     assert dpo_loss(*args, beta=0.5).loss.item() == pytest.approx(math.log1p(math.exp(-1.0)))
     for beta in (0, -0.1, float("nan"), float("inf"), "0.1", True):
-        with pytest.raises(ValueError, match="beta=.* must be a positive number"):
+        with pytest.raises(ValueError, match="--model.dpo.beta .* is invalid: use a positive"):
             dpo_loss(*args, beta=beta)
-    with pytest.raises(ValueError, match="variant='mean': use 'paper' .* or 'book'"):
+    with pytest.raises(ValueError, match="--model.dpo.variant 'mean': use 'paper' .* or 'book'"):
         check_variant("mean")
+    with pytest.raises(ValueError, match="--model.dpo.beta 0 is invalid"):
+        DPO(beta=0)
+    assert DPO(variant="book").average and not DPO().average
 
 
 def test_the_reference_of_a_lora_model_is_its_base_with_no_copy():

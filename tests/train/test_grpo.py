@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from gptmini.chat import GPTMINI, add_template_tokens, render_chat
+from gptmini.data.rl import prompt_ids
 from gptmini.data.verifiable import Addition, Problem, VerifiableTask
 from gptmini.generate import generate
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer
-from gptmini.train.grpo import GRPO, GRPOSettings
+from gptmini.train.tasks import GRPO, GRPOSettings
 
 CHAT = add_template_tokens(get_tokenizer("byte"), GPTMINI)
 
@@ -35,14 +36,22 @@ def tiny_model(context: int = 32) -> GPTModel:
                               n_heads=2, n_layers=2, drop_rate=0.0))
 
 
-def train(grpo: GRPO, model: GPTModel, problems: list[Problem], steps: int, lr: float = 1e-2
-          ) -> list[dict]:
+def grpo_of(task: VerifiableTask, **settings) -> GRPO:
+    return GRPO(GRPOSettings(**settings), task, CHAT, GPTMINI)
+
+
+def prompts_of(problems: list[Problem]) -> list[list[int]]:
+    return [prompt_ids(p, CHAT, GPTMINI) for p in problems]
+
+
+def train(grpo: GRPO, model: GPTModel, problems: list[Problem], steps: int, lr: float = 1e-2,
+          inner_steps: int = 1) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     history = []
     for step in range(steps):
-        scored = grpo.sample(model, problems, step)
-        for inner in range(grpo.settings.inner_steps):
-            loss, metrics = grpo.loss(model, scored, first=inner == 0)
+        scored = grpo.sample(model, problems, prompts_of(problems), step)
+        for inner in range(inner_steps):
+            loss, metrics = grpo.learn(model, scored, first=inner == 0)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -52,7 +61,7 @@ def train(grpo: GRPO, model: GPTModel, problems: list[Problem], steps: int, lr: 
 
 def test_grpo_raises_the_reward_of_a_task_it_can_learn():
     task = Vowels()
-    grpo = GRPO(task, CHAT, GPTMINI, GRPOSettings(group_size=4, max_new_tokens=6))
+    grpo = grpo_of(task, group_size=4, max_new_tokens=6)
     history = train(grpo, tiny_model(), task.problems(4, 0), 30)
     assert sum(h["reward"] for h in history[:3]) / 3 < 0.1
     assert sum(h["reward"] for h in history[-3:]) / 3 > 0.5
@@ -63,11 +72,10 @@ def test_grpo_raises_the_reward_of_a_task_it_can_learn():
 
 def test_the_clip_binds_from_the_second_inner_step_and_the_kl_starts_at_zero():
     task = Vowels()
-    grpo = GRPO(task, CHAT, GPTMINI, GRPOSettings(group_size=4, max_new_tokens=6, inner_steps=3,
-                                                  kl_weight=0.1))
+    grpo = grpo_of(task, group_size=4, max_new_tokens=6, kl_weight=0.1)
     model = tiny_model()
     grpo.start(model)
-    history = train(grpo, model, task.problems(4, 0), 2, lr=5e-2)
+    history = train(grpo, model, task.problems(4, 0), 2, lr=5e-2, inner_steps=3)
     assert history[0]["clip_fraction"] == 0.0 and history[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert "reward" in history[0] and "reward" not in history[1]  # rollout metrics once
     assert max(h["clip_fraction"] for h in history[1:3]) > 0
@@ -88,7 +96,7 @@ def test_pass_at_1_is_greedy_decoding_checked():
     task = Parity()
     problems = task.problems(16, seed=0)
     model = tiny_model(48).eval()
-    grpo = GRPO(task, CHAT, GPTMINI, GRPOSettings(max_new_tokens=4))
+    grpo = grpo_of(task, max_new_tokens=4)
     end = CHAT.encode("<|end|>", allowed_special="all")[0]
     right = 0
     for problem in problems:
@@ -98,11 +106,12 @@ def test_pass_at_1_is_greedy_decoding_checked():
         right += task.answer_reward(problem, CHAT.decode(out[:out.index(end)] if end in out
                                                          else out))
     assert 0 < right < len(problems)
-    assert grpo.pass_at_1(model, problems).item() == pytest.approx(right / len(problems))
+    assert grpo.pass_at_1(model, problems, prompts_of(problems)).item() == pytest.approx(
+        right / len(problems))
 
 
 @pytest.mark.parametrize(("name", "value", "words"), [
-    ("group_size", 1, "2 or more"), ("inner_steps", 0, "1 or more"),
+    ("group_size", 1, "2 or more"),
     ("clip_eps", 1.5, "(0, 1)"), ("kl_weight", -1.0, "0 (off)"), ("max_new_tokens", 2.5, "integer"),
 ])
 def test_bad_settings_name_their_flag(name, value, words):
@@ -124,14 +133,15 @@ def test_memory_stays_flat_over_a_long_run():
     8 MB (one engine's KV pool a step kept alive would add 40 MB; the samples' graphs
     kept, more)."""
     task = Addition(1)
-    grpo = GRPO(task, CHAT, GPTMINI, GRPOSettings(group_size=2, max_new_tokens=4))
+    grpo = grpo_of(task, group_size=2, max_new_tokens=4)
     model = tiny_model(48)
     problems = task.problems(40, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     warm = None
     for step in range(180):
-        scored = grpo.sample(model, problems[step % 10 * 4:][:4], step)
-        loss, _ = grpo.loss(model, scored)
+        batch = problems[step % 10 * 4:][:4]
+        scored = grpo.sample(model, batch, prompts_of(batch), step)
+        loss, _ = grpo.learn(model, scored)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

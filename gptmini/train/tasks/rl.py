@@ -1,45 +1,51 @@
-"""GRPO on a verifiable task: sample groups through the engine, score them, and the loss.
+"""Reinforcement learning with verifiable rewards: GRPO on a task whose answers a program
+checks.
 
-One step of the task, for a batch of prompts:
+One step, for a batch of prompts (`gptmini.data.rl.ProblemBatch`):
 
-1. *sample* (`GRPO.sample`): G completions of each prompt from the current weights
-   (`gptmini.generate.rollouts`), each rewarded by the task's checker
-   (`gptmini.data.verifiable`), and every completion's advantage within its group
-   (`gptmini.finetune.grpo`); with the KL term, the reference's log-probabilities too.
-2. *learn* (`GRPO.loss`), `inner_steps` times over the same samples: the trainer's
-   log-probabilities of the sampled tokens, and the clipped objective.
+1. *sample* (`GRPO.sample`, at a batch's first inner step): G completions of each prompt
+   from the current weights through the engine (`gptmini.generate.rollouts`), each rewarded
+   by the task's checker (`gptmini.data.verifiable`), and every completion's advantage
+   within its group (`gptmini.finetune.grpo`); with the KL term, the reference's
+   log-probabilities too.
+2. *learn* (`GRPO.loss`, at every inner step): the trainer's log-probabilities of the
+   sampled tokens, and the clipped objective.
 
-`pass_at_1` decodes held-out prompts greedily and counts the right answers. The metrics:
-mean reward, response length, the share of groups whose rewards are all equal (they teach
-nothing), the clip fraction and mean ratio, rollout tokens/s, and at each first inner step
-the largest gap between the trainer's and the engine's log-probabilities (0 up to rounding:
-the samples were drawn from the distribution being trained).
+Validation decodes the held-out prompts greedily: val/pass_at_1 is the share answered
+right. Metrics: train/reward (mean), response_length, zero_variance (the share of groups
+whose rewards are all equal: they teach nothing), clip_fraction, ratio, kl (with the KL
+term), rollout_tokens_per_sec, and logprob_gap: the largest gap between the trainer's and
+the engine's log-probabilities of the sampled tokens (0 up to rounding: the samples were
+drawn from the distribution being trained).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import tiktoken
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from gptmini.chat import ChatTemplate, render_chat
+from gptmini.analysis.verifiable import pass_at_1
+from gptmini.chat import ChatTemplate
+from gptmini.data.rl import ProblemBatch
 from gptmini.data.verifiable import Problem, VerifiableTask
 from gptmini.finetune.grpo import group_advantages, grpo_loss, zero_variance_share
-from gptmini.finetune.reference import Reference, token_log_probs
+from gptmini.finetune.reference import token_log_probs
 from gptmini.generate.rollouts import Rollouts, rollout
+from gptmini.model import GPTModel
+from gptmini.train.tasks.base import Metrics, Task
 
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    """How GRPO samples and learns (`--model.grpo.*`)."""
+    """How GRPO samples and learns (`--model.grpo.*`); train.py sets them for an RL run
+    (--data.rl.task). The inner steps over each batch are --data.rl.inner_steps."""
 
     group_size: int = 8
     """G: completions sampled per prompt, compared within their group."""
     max_new_tokens: int = 16
     """Most tokens of a completion, its stop token included."""
-    inner_steps: int = 1
-    """Optimizer steps over the same samples (PPO's epochs); 1: plain on-policy."""
     clip_eps: float = 0.2
     """The ratio is held within [1 - clip_eps, 1 + clip_eps] (binds from the 2nd inner step)."""
     kl_weight: float = 0.0
@@ -52,8 +58,6 @@ class GRPOSettings:
                                  "an integer, 2 or more (a group compares its samples)"),
                   "max_new_tokens": (self.max_new_tokens, lambda x: isinstance(x, int) and x >= 1,
                                      "an integer, 1 or more"),
-                  "inner_steps": (self.inner_steps, lambda x: isinstance(x, int) and x >= 1,
-                                  "an integer, 1 or more"),
                   "clip_eps": (self.clip_eps, lambda x: 0 < x < 1, "a number in (0, 1), e.g. 0.2"),
                   "kl_weight": (self.kl_weight, lambda x: x >= 0, "0 (off) or a positive weight"),
                   "format_weight": (self.format_weight, lambda x: x >= 0,
@@ -78,45 +82,54 @@ class Scored:
     """(n, width) the reference's log-probabilities, with the KL term."""
 
 
-class GRPO:
-    """GRPO on `task`, its prompts rendered by `template` (see the module docstring).
+class GRPO(Task):
+    """GRPO (see the module docstring).
 
     Args:
-        task: the prompts' checker.
-        tokenizer: the model's.
-        template: the chat template the model was tuned with; its stop tokens end a completion.
         settings: GRPOSettings.
-        seed: the rollouts' seeds start here (step s, sample i: a stream of its own).
+        verifier: the task's checker.
+        tokenizer: the model's (completions are decoded for the checker).
+        template: the chat template the prompts are rendered with; its stop tokens end a
+            completion.
+        seed: the rollouts' seeds start here (batch s, sample i: a stream of its own).
     """
 
-    def __init__(self, task: VerifiableTask, tokenizer: tiktoken.Encoding,
-                 template: ChatTemplate, settings: GRPOSettings = GRPOSettings(),  # noqa: B008
-                 seed: int = 0):
-        self.task, self.tokenizer, self.template = task, tokenizer, template
-        self.settings, self.seed = settings, seed
+    def __init__(self, settings: GRPOSettings, verifier: VerifiableTask,
+                 tokenizer: tiktoken.Encoding, template: ChatTemplate, seed: int = 0):
+        self.settings, self.verifier, self.tokenizer = settings, verifier, tokenizer
         self.stop_ids = template.stop_ids(tokenizer)
-        self.reference: Reference | None = None
-        """The starting weights, frozen, with the KL term (`start`)."""
+        self.seed = seed
+        self.needs_reference = settings.kl_weight > 0
+        self._scored: Scored | None = None  # the batch's samples, for its inner steps
 
-    def start(self, model: nn.Module) -> None:
-        """Call once the model holds its starting weights: keeps them with the KL term."""
-        if self.settings.kl_weight and self.reference is None:
-            self.reference = Reference(model)
+    def batch_size(self, batch: ProblemBatch) -> int:
+        return len(batch.problems)
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        """The prompt rendered for the assistant to answer (the template's generation prompt)."""
-        return render_chat(list(problem.messages), self.tokenizer, self.template,
-                           add_generation_prompt=True, mask=False, where=problem.where).ids
+    def tokens(self, batch: ProblemBatch) -> int:
+        return 0 if self._scored is None else self._scored.rows[0].numel()
 
-    def sample(self, model: nn.Module, problems: Sequence[Problem], step: int) -> Scored:
+    def loss(self, model: GPTModel, batch: ProblemBatch) -> tuple[Tensor, Metrics]:
+        first = batch.inner == 0 or self._scored is None  # (a resume mid-batch samples anew)
+        if first:
+            self._scored = self.sample(model, batch.problems, batch.prompts, batch.step)
+        return self.learn(model, self._scored, first)
+
+    def validation_step(self, model: GPTModel, batch: ProblemBatch) -> Metrics:
+        return {"pass_at_1": self.pass_at_1(model, batch.problems, batch.prompts)}
+
+    def validation_end(self, reduce: Callable[[Tensor], Tensor],
+                       logged: Mapping[str, Tensor]) -> Metrics:
+        return {}
+
+    def sample(self, model: GPTModel, problems: Sequence[Problem],
+               prompts: Sequence[Sequence[int]], step: int) -> Scored:
         """G completions of each problem from `model`'s weights now, rewarded."""
         g = self.settings.group_size
-        runs = rollout(model, [self.prompt_ids(p) for p in problems], g,
-                       max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop_ids,
-                       seed=self.seed + step * len(problems) * g)
+        runs = rollout(model, prompts, g, max_new_tokens=self.settings.max_new_tokens,
+                       stop_ids=self.stop_ids, seed=self.seed + step * len(prompts) * g)
         rewards = torch.tensor([
-            self.task.reward(problems[i // g], self._text(completion, stopped), stopped,
-                             self.settings.format_weight)
+            self.verifier.reward(problems[i // g], self._text(completion, stopped), stopped,
+                                 self.settings.format_weight)
             for i, (completion, stopped) in enumerate(zip(runs.completions, runs.stopped,
                                                           strict=True))])
         device = next(model.parameters()).device
@@ -129,8 +142,8 @@ class GRPO:
     def _text(self, completion: list[int], stopped: bool) -> str:
         return self.tokenizer.decode(completion[:-1] if stopped else completion)
 
-    def loss(self, model: nn.Module, scored: Scored, first: bool = True
-             ) -> tuple[Tensor, dict[str, Tensor]]:
+    def learn(self, model: GPTModel, scored: Scored, first: bool = True
+              ) -> tuple[Tensor, Metrics]:
         """(the clipped loss over the samples, the step's metrics); `first`: the first inner
         step over them (it reports the rollouts and the engine-trainer gap)."""
         inputs, targets, old = scored.rows
@@ -158,11 +171,8 @@ class GRPO:
                 logprob_gap=(logprobs.detach() - old).abs().masked_fill(~mask, 0).max())
         return terms.loss, metrics
 
-    def pass_at_1(self, model: nn.Module, problems: Sequence[Problem]) -> Tensor:
+    def pass_at_1(self, model: GPTModel, problems: Sequence[Problem],
+                  prompts: Sequence[Sequence[int]]) -> Tensor:
         """The share of `problems` answered right by greedy decoding (one try each)."""
-        runs = rollout(model, [self.prompt_ids(p) for p in problems], 1,
-                       max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop_ids,
-                       seed=0, temperature=0.0)
-        right = [self.task.answer_reward(p, self._text(c, s)) >= 1.0
-                 for p, c, s in zip(problems, runs.completions, runs.stopped, strict=True)]
-        return torch.tensor(sum(right) / len(right))
+        return pass_at_1(model, self.verifier, self.tokenizer, self.stop_ids, problems,
+                         prompts, self.settings.max_new_tokens)
