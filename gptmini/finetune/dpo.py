@@ -25,7 +25,8 @@ averaged per token (the book's chapter 7 bonus)."""
 @dataclass(frozen=True)
 class DPO:
     """Direct Preference Optimization's settings (`--model.dpo.*`); train.py sets them for a
-    run on preference pairs (--data.preference.records)."""
+    run on preference pairs (--data.preference.records). `check` them before use (the task
+    does: jsonargparse would bury a refusal in __post_init__ under a generic Union error)."""
 
     beta: float = 0.1
     """How far the policy may move from the reference: larger keeps it closer (the paper's
@@ -34,9 +35,11 @@ class DPO:
     """"paper": a response's log-probability summed over its tokens (eq. 7); "book": averaged
     per token (the book's chapter 7 bonus)."""
 
-    def __post_init__(self):
+    def check(self) -> "DPO":
+        """These settings, or a ValueError naming the flag at fault and the fix."""
         check_beta(self.beta)
         check_variant(self.variant)
+        return self
 
     @property
     def average(self) -> bool:

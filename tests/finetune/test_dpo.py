@@ -50,7 +50,7 @@ def test_beta_scales_the_logit_and_a_bad_beta_or_variant_is_named():
     with pytest.raises(ValueError, match="--model.dpo.variant 'mean': use 'paper' .* or 'book'"):
         check_variant("mean")
     with pytest.raises(ValueError, match="--model.dpo.beta 0 is invalid"):
-        DPO(beta=0)
+        DPO(beta=0).check()
     assert DPO(variant="book").average and not DPO().average
 
 

@@ -116,9 +116,9 @@ def test_pass_at_1_is_greedy_decoding_checked():
 ])
 def test_bad_settings_name_their_flag(name, value, words):
     with pytest.raises(ValueError, match=rf"--model.grpo.{name} {value!r} is invalid: use .*"):
-        GRPOSettings(**{name: value})
+        GRPOSettings(**{name: value}).check()
     try:
-        GRPOSettings(**{name: value})
+        GRPOSettings(**{name: value}).check()
     except ValueError as err:
         assert words in str(err)
 

@@ -31,7 +31,7 @@ class DirectPreference(Task):
     needs_reference = True
 
     def __init__(self, settings: DPO, loss_chunk_size: int | None = None):
-        self.settings, self.loss_chunk_size = settings, loss_chunk_size
+        self.settings, self.loss_chunk_size = settings.check(), loss_chunk_size
 
     def tokens(self, batch) -> int:
         return batch[0].numel() + batch[2].numel()

@@ -40,7 +40,9 @@ from gptmini.train.tasks.base import Metrics, Task
 @dataclass(frozen=True)
 class GRPOSettings:
     """How GRPO samples and learns (`--model.grpo.*`); train.py sets them for an RL run
-    (--data.rl.task). The inner steps over each batch are --data.rl.inner_steps."""
+    (--data.rl.task). The inner steps over each batch are --data.rl.inner_steps. `check`
+    them before use (the task does: jsonargparse would bury a refusal in __post_init__
+    under a generic Union error)."""
 
     group_size: int = 8
     """G: completions sampled per prompt, compared within their group."""
@@ -53,7 +55,8 @@ class GRPOSettings:
     format_weight: float = 0.0
     """Added to the reward of a well-formed completion that stopped (0: answers only)."""
 
-    def __post_init__(self):
+    def check(self) -> "GRPOSettings":
+        """These settings, or a ValueError naming the flag at fault and the fix."""
         checks = {"group_size": (self.group_size, lambda x: isinstance(x, int) and x >= 2,
                                  "an integer, 2 or more (a group compares its samples)"),
                   "max_new_tokens": (self.max_new_tokens, lambda x: isinstance(x, int) and x >= 1,
@@ -65,6 +68,7 @@ class GRPOSettings:
         for name, (value, ok, what) in checks.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
                 raise ValueError(f"--model.grpo.{name} {value!r} is invalid: use {what}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class GRPO(Task):
 
     def __init__(self, settings: GRPOSettings, verifier: VerifiableTask,
                  tokenizer: tiktoken.Encoding, template: ChatTemplate, seed: int = 0):
-        self.settings, self.verifier, self.tokenizer = settings, verifier, tokenizer
+        self.settings, self.verifier, self.tokenizer = settings.check(), verifier, tokenizer
         self.stop_ids = template.stop_ids(tokenizer)
         self.seed = seed
         self.needs_reference = settings.kl_weight > 0
