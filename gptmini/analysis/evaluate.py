@@ -45,8 +45,7 @@ from gptmini.analysis.verifiable import score_task
 from gptmini.chat import ChatTemplate, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
-from gptmini.data.chat import read_records as read_chat_records
-from gptmini.data.chat import render_records, split_records
+from gptmini.data.chat import read_chat_records, render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits

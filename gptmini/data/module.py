@@ -10,8 +10,8 @@ import tiktoken
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca, read_records
-from gptmini.data.chat import Chat, chat_datasets
+from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca
+from gptmini.data.chat import Chat, chat_datasets, read_chat_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
 from gptmini.data.preference import (
     Preference,
@@ -158,7 +158,7 @@ class GPTDataModule(L.LightningDataModule):
         """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
         enc = self.tokenizer
         if self.chat_template is None:
-            alpaca = self.chat.template == AUTO and is_alpaca(read_records(self.chat.records))
+            alpaca = self.chat.template == AUTO and is_alpaca(read_chat_records(self.chat.records))
             self.chat_template = choose_template(self.chat.template, enc, alpaca=alpaca)
         self.train_dataset, self.val_dataset, said = chat_datasets(
             self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)

@@ -56,7 +56,8 @@ class VerifiableTask(ABC):
 
     @abstractmethod
     def problems(self, count: int, seed: int) -> list[Problem]:
-        """`count` distinct prompts drawn from `seed` (the same ones for the same seed)."""
+        """Up to `count` distinct prompts drawn from `seed` (the same ones for the same
+        seed); fewer when the task has fewer."""
 
     @abstractmethod
     def answer_reward(self, problem: Problem, completion: str) -> float:
@@ -75,10 +76,17 @@ class VerifiableTask(ABC):
             value += format_weight
         return value
 
-    def worked(self, count: int, seed: int) -> list[dict]:
-        """`count` chat records with the right answer (for the fine-tune before GRPO)."""
-        return [{"messages": [*p.messages, {"role": "assistant", "content": p.record["answer"]}]}
-                for p in self.problems(count, seed)]
+    def worked_from(self, problems: list[Problem]) -> list[dict]:
+        """`problems` as chat records answered right (the fine-tune before GRPO): a shipped
+        task's answer; a file's record's "answer", which it must then have."""
+        records = []
+        for p in problems:
+            if "answer" not in p.record:
+                raise ValueError(f"{p.where}: no 'answer' to fine-tune on; give each record "
+                                 "one, or fine-tune on chat records of your own")
+            answer = {"role": "assistant", "content": str(p.record["answer"])}
+            records.append({"messages": [*p.messages, answer]})
+        return records
 
 
 class _Generated(VerifiableTask):
@@ -99,16 +107,17 @@ class _Generated(VerifiableTask):
 
     def problems(self, count: int, seed: int) -> list[Problem]:
         rng, seen, out = random.Random(f"{self.name}:{self.size}:{seed}"), set(), []
-        for _ in range(count * 50 + 100):
-            if len(out) == count:
-                return out
+        misses = 0
+        while len(out) < count and misses < 2000:  # 2,000 repeats in a row: (nearly) all seen
             message, answer = self.draw(rng)
-            if message not in seen:
-                seen.add(message)
-                out.append(Problem(({"role": "user", "content": message},),
-                                   {"answer": answer}, f"{self.name} seed {seed}"))
-        raise ValueError(f"task {self.name!r} of size {self.size} has fewer than {count} "
-                         "distinct prompts; raise --data.rl.size or ask for fewer prompts")
+            if message in seen:
+                misses += 1
+                continue
+            seen.add(message)
+            misses = 0
+            out.append(Problem(({"role": "user", "content": message},), {"answer": answer},
+                               f"{self.name} seed {seed}"))
+        return out
 
     def answer_reward(self, problem: Problem, completion: str) -> float:
         return float(self.parse(completion) == problem.record["answer"])
@@ -280,8 +289,15 @@ def load_task(task: str, *, size: int | None = None, prompts: str | None = None,
 
 def split_problems(task: VerifiableTask, train: int, heldout: int, seed: int
                    ) -> tuple[list[Problem], list[Problem]]:
-    """(training prompts, held-out prompts): disjoint, both drawn from `seed`."""
+    """(training prompts, held-out prompts): disjoint, both drawn from `seed`; the held-out
+    ones are the first `heldout` drawn, whatever `train` is.
+
+    Raises:
+        ValueError: the task has no prompt left to train on after those held out.
+    """
     drawn = task.problems(train + heldout, seed)
-    if len(drawn) < train + heldout and heldout:
-        heldout = max(1, len(drawn) // 10)  # a small file: a tenth held out
+    if len(drawn) <= heldout:
+        raise ValueError(f"task {task.name!r} has {len(drawn)} distinct prompts, none left to "
+                         f"train on after the {heldout} held out: lower --data.rl.heldout, or "
+                         "raise --data.rl.size (a shipped task)")
     return drawn[heldout:heldout + train], drawn[:heldout]

@@ -36,10 +36,10 @@ from gptmini.chat import (
     add_template_tokens,
     choose_template,
     is_alpaca,
-    read_records,
 )
 from gptmini.checkpoint import CONFIG_FIELDS, read_checkpoint, tokenizer_entry
 from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.chat import read_chat_records
 from gptmini.data.labels import Labels
 from gptmini.data.preference import is_book_layout, read_pairs
 from gptmini.data.rl import RL
@@ -275,7 +275,7 @@ def records_part(data) -> tuple[object, bool] | None:
     book's prompt for them: Alpaca records, the book's pairs), or None. A missing or broken
     file fails here, early."""
     if data.chat.records:
-        return data.chat, is_alpaca(read_records(data.chat.records))
+        return data.chat, is_alpaca(read_chat_records(data.chat.records))
     if data.preference.records:
         return data.preference, is_book_layout(read_pairs(data.preference.records))
     if data.rl.task:

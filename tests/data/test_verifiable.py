@@ -30,7 +30,7 @@ def test_a_shipped_task_is_drawn_from_its_seed_and_its_answers_check(name):
         assert task.answer_reward(problem, f" {answer}.") == 1.0
         assert task.answer_reward(problem, answer + "9") == 0.0
         assert task.answer_reward(problem, "") == 0.0
-    records = task.worked(3, seed=1)
+    records = task.worked_from(problems[:3])
     assert records[0]["messages"][-1] == {"role": "assistant",
                                           "content": problems[0].record["answer"]}
 
@@ -63,8 +63,10 @@ def test_held_out_prompts_never_train():
     train, heldout = split_problems(Addition(2), 300, 100, seed=0)
     assert len(train) == 300 and len(heldout) == 100
     assert not {p.key for p in train} & {p.key for p in heldout}
-    with pytest.raises(ValueError, match="fewer than 200 distinct prompts; raise --data.rl.size"):
-        ReverseWord(1).problems(200, seed=0)
+    assert len(ReverseWord(1).problems(200, seed=0)) == 26  # every one letter, no more
+    with pytest.raises(ValueError, match="'reverse' has 26 distinct prompts, none left to "
+                                         "train on after the 26 held out: lower --data.rl.held"):
+        split_problems(ReverseWord(1), 10, 26, seed=0)
 
 
 @pytest.fixture
@@ -148,3 +150,23 @@ def test_bad_task_settings_are_named(tmp_path):
             load_task("file", prompts="nope.jsonl", reward="ok_rewards:f")
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_a_tasks_worked_examples_fine_tune_without_its_held_out_prompts():
+    """--data.chat.records task:addition: right answers, never a prompt an RL run of the
+    task (its defaults) holds out."""
+    from gptmini.data.chat import read_chat_records
+    from gptmini.data.rl import RL
+
+    records = read_chat_records("task:addition:2")
+    task = RL(task="addition", size=2).load()
+    _, heldout = split_problems(task, 100, RL().heldout, RL().seed)
+    held = {p.messages[0]["content"] for p in heldout}
+    for _, record in records:
+        user, answer = (m["content"] for m in record["messages"])
+        assert user not in held
+        a, b = (int(x) for x in user.removeprefix("What is ").rstrip("?").split(" + "))
+        assert answer == str(a + b)
+    assert 9000 < len(records) <= 10 ** 4 - RL().heldout  # (nearly) every pair under 100
+    with pytest.raises(ValueError, match="chat records task:sums: use task:NAME"):
+        read_chat_records("task:sums")
