@@ -15,4 +15,4 @@ from gptmini.train.command import keep_freed_memory, main  # noqa: E402
 
 if __name__ == "__main__":
     keep_freed_memory()  # process-wide: set here, in the training process, not by the library
-    sys.exit(main())
+    sys.exit(main(own_signals=True))  # this process is train.py's: signals end it with a code

@@ -1,24 +1,24 @@
 """The GPU path proven in one command, its figures written to gpu_proof.json and .md.
 
-Part 1, the headline (one call of at most 8 minutes): the device parity check in float32
+Part 1, the headline (one command of at most 8 minutes): the device parity check in float32
 and bf16 (gptmini.testing.device); GPT-2 124M training at context 1024, compiled, bf16-mixed
 (tokens/s and MFU through the LightningModule and a plain loop, peak memory); decoding at
-batch 1 and 64 (eager); FSDP on one GPU (train, then resume from its checkpoint); the GPU
+batch 1 and 64 (eager); FSDP2 on one GPU (train, then resume from its checkpoint); the GPU
 tests (`pytest -m gpu tests/test_gpu.py`). Part 2, more speed: the largest micro-batch
 (tokens/s and MFU at each) and compiled decoding. Part 3, runs: the GPU config
 (configs/shakespeare-gpu.yaml) trained for a fixed number of steps and scored in bits per
 byte on its whole validation split; the engine at the 124M shape with 256 requests sharing
 a prefix, against one request alone.
 
-Each part fits one call of a GPU machine lent for minutes: its items run in order while
---budget lasts (an item found past it is written "out of time"; long items stop themselves
-at it), and the figures file is rewritten after every item, so a killed call still leaves
-what it measured. No part imports datasets or wandb; those that run train.py (the GPU
-tests, FSDP, the default run) need jsonargparse and rustbpe: docs/benchmarks.md says how to
-carry them to a machine without a package index.
+Each part fits a few minutes of a GPU (a machine billed by the minute, a scheduler's short
+slot): its items run in order while --budget lasts (an item found past it is written "out of
+time"; long items stop themselves at it), and the figures file is rewritten after every
+item, so a killed command still leaves what it measured. No part imports datasets or wandb;
+those that run train.py (the GPU tests, FSDP2, the default run) need jsonargparse and
+rustbpe: docs/benchmarks.md says how to carry them to a machine without a package index.
 
     python bench/gpu_proof.py --out DIR               # part 1, the headline
-    python bench/gpu_proof.py --part 2 --out DIR      # then --part 3 (one call each)
+    python bench/gpu_proof.py --part 2 --out DIR      # then --part 3 (one command each)
     python bench/gpu_proof.py --merge A.json B.json C.json --out DIR   # the parts in one file
     python bench/gpu_proof.py --device cpu --tiny --part 1 2 3   # every part on tiny shapes
 """
@@ -55,6 +55,7 @@ from bench_gpu import (
 )
 
 from gptmini.analysis.evaluate import score_text
+from gptmini.checkpoint import consolidate, read_checkpoint
 from gptmini.generate.engine import Engine
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.model.flops import flops_per_token
@@ -73,6 +74,9 @@ TINY_RUN = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
             "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
             "--checkpoint_every", "2", "--model.warmup_steps", "1"]
 """What --tiny changes in the GPU config's runs: a CPU, no compiling, a tiny model."""
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                   "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+"""What torch.distributed (Lightning, for the fsdp item) sets in this process's environment."""
 
 
 @dataclass
@@ -82,12 +86,14 @@ class Proof:
     device: torch.device
     tiny: bool
     out: Path
-    """The figures file's folder (the device tool's $OUT)."""
+    """The figures file's folder (--out)."""
     runs: Path
     """Training runs' folder (checkpoints stay out of `out`)."""
     deadline: float
     """time.monotonic() at which the part's budget ends."""
     run_steps: int
+    micro_batch: int = 16
+    """The training item's micro-batch (124M at context 1024)."""
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -105,7 +111,10 @@ def gpu_tests(proof: Proof) -> dict:
     xml, log = proof.out / "gpu_tests.xml", proof.out / "gpu_tests.log"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p",
                "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", f"--junitxml={xml}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    # Not the process group the fsdp item left behind: on one H200 the tests' own FSDP2 run
+    # inherited its MASTER_PORT and failed with EADDRINUSE (the proof still listens on it).
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env = {**env, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with log.open("w") as output:
         subprocess.run(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
@@ -143,46 +152,53 @@ def train_args(proof: Proof, name: str, steps: int, *extra: str) -> list[str]:
 
 
 def fsdp(proof: Proof) -> dict:
-    """The GPU config under --trainer.strategy fsdp: N steps, then N more resumed from its
-    last.ckpt. Compiled as the config says; if that fails, again without compiling, so the
-    figures say which of the two breaks."""
+    """The GPU config under --trainer.strategy fsdp2 with Muon (the sharded Muon's
+    all-to-alls on NCCL, FSDP2's bf16 gathers): N steps, then N more resumed from its
+    sharded last.ckpt, whose consolidated file must hold the same weights. Compiled as the
+    config says; if that fails, again without compiling, so the figures say which breaks.
+    On a CPU (--tiny) it runs on gloo."""
     steps = 2 if proof.tiny else 20
     figures: dict = {}
     for compiled in ("true", "false"):
-        shutil.rmtree(proof.runs / "fsdp", ignore_errors=True)
-        flags = ["--trainer.strategy", "fsdp", "--model.compile", compiled,
-                 "--checkpoint_every", str(steps), "--trainer.val_check_interval", str(steps)]
+        shutil.rmtree(proof.runs / "fsdp2", ignore_errors=True)
+        flags = ["--trainer.strategy", "fsdp2", "--model.optimizer", "muon",
+                 "--model.compile", compiled, "--checkpoint_every", str(steps),
+                 "--trainer.val_check_interval", str(steps)]
         try:
-            first = build_cli(train_args(proof, "fsdp", steps, *flags))
-            fit(first)
-            last = proof.runs / "fsdp" / "checkpoints" / "last.ckpt"
-            again = build_cli(train_args(proof, "fsdp", 2 * steps, *flags, "--ckpt_path",
+            started = time.perf_counter()
+            fit(build_cli(train_args(proof, "fsdp2", steps, *flags)))
+            last = proof.runs / "fsdp2" / "checkpoints" / "last.ckpt"
+            again = build_cli(train_args(proof, "fsdp2", 2 * steps, *flags, "--ckpt_path",
                                          "last"))
             fit(again)
-        except Exception as err:  # noqa: BLE001 - Lightning's refusal or a failure: both said
-            message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
-            if "fsdp" in str(err).lower() and proof.device.type == "cpu":
-                return {"status": "refused", "reason": message,
-                        "headline": f"Lightning refuses FSDP here: {message[:120]}"}
-            figures[f"compile_{compiled}_error"] = message
+            seconds = time.perf_counter() - started
+            whole = read_checkpoint(consolidate(last))["state_dict"]
+            sharded = read_checkpoint(last)["state_dict"]
+        except Exception as err:  # noqa: BLE001 - a failure is a figure: said, not raised
+            figures[f"compile_{compiled}_error"] = (
+                f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}")
             continue
         loss = again.trainer.callback_metrics.get("train/loss")
-        return {**figures, "status": "ok", "compiled": compiled == "true",
+        same = whole.keys() == sharded.keys() and all(torch.equal(whole[k], sharded[k])
+                                                      for k in whole)
+        return {**figures, "status": "ok" if same else "failed", "compiled": compiled == "true",
                 "steps": again.trainer.global_step, "resumed_from_step": steps,
-                "checkpoint": "directory" if last.is_dir() else "file",
+                "seconds": seconds, "checkpoint": "directory" if last.is_dir() else "file",
+                "consolidated_equal": same,
                 "final_train_loss": None if loss is None else float(loss),
-                "headline": f"{steps} steps, then resumed from last.ckpt ("
-                            f"{'a directory' if last.is_dir() else 'one file'}) to "
-                            f"{again.trainer.global_step}; compiled: {compiled}"}
-    return {**figures, "status": "failed", "headline": "FSDP failed compiled and not"}
+                "headline": f"FSDP2 + Muon: {steps} steps, then resumed from last.ckpt ("
+                            f"{'sharded, a directory' if last.is_dir() else 'one file'}) to "
+                            f"{again.trainer.global_step} in {seconds:.0f} s; compiled: "
+                            f"{compiled}; consolidated file equal: {same}"}
+    return {**figures, "status": "failed", "headline": "FSDP2 failed compiled and not"}
 
 
 def training(proof: Proof) -> dict:
     """124M at context 1024 through the LightningModule and a plain loop, at micro-batch 16
-    (the largest that fits is part 2's)."""
+    (--micro_batch; the largest that fits is part 2's)."""
     figures = training_figures(proof.shape, proof.device,
-                               **(dict(batch=4, steps=3, warmup=1) if proof.tiny else {}),
-                               tries=())
+                               **(dict(batch=4, steps=3, warmup=1) if proof.tiny
+                                  else dict(batch=proof.micro_batch)), tries=())
     lit, plain = figures["lightning_mfu"], figures["plain_mfu"]
     mfu = (f"MFU {lit:.1%} Lightning, {plain:.1%} plain (goal >= 45% Lightning; llm.c "
            f"~{LLMC_TOKENS_PER_S * flops_per_token(GPTConfig(**GPT2)) / H100_BF16_PEAK:.0%})"
@@ -309,7 +325,7 @@ def engine(proof: Proof) -> dict:
 PARTS: dict[int, tuple[Callable[[Proof], dict], ...]] = {
     1: (parity, training, decoding, fsdp, gpu_tests), 2: (micro_batches, decoding_compiled),
     3: (default_run, engine)}
-"""Part 1 is the headline, in the order the figures matter if the call is cut short."""
+"""Part 1 is the headline, in the order the figures matter if the command is cut short."""
 
 
 # --- the figures file ----------------------------------------------------------------------
@@ -376,7 +392,7 @@ def run_item(item: Callable[[Proof], dict], proof: Proof) -> dict:
 
 
 def merge(paths: list[Path], out: Path) -> dict:
-    """The parts' files (one per call) as one file: items and parts together."""
+    """The parts' files (one per command) as one file: items and parts together."""
     files = [json.loads(p.read_text()) for p in paths]
     figures = {**files[0], "parts": sorted({p for f in files for p in f["parts"]}),
                "items": {k: v for f in files for k, v in f["items"].items()}}
@@ -387,7 +403,7 @@ def merge(paths: list[Path], out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", type=int, nargs="+", choices=sorted(PARTS), default=[1],
-                        help="which parts (default: 1, the headline; one call each)")
+                        help="which parts (default: 1, the headline; one command each)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-proof",
@@ -395,10 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "gpu-proof",
                         help="folder of the training runs' checkpoints")
     parser.add_argument("--budget", type=float, default=480.0,
-                        help="seconds for all the parts asked (the headline's call: 480)")
+                        help="seconds for all the parts asked (the headline's: 480)")
     parser.add_argument("--run_steps", type=int, default=None,
                         help="the default run's steps (default: the GPU config's, 5000; 4 "
                              "with --tiny)")
+    parser.add_argument("--micro_batch", type=int, default=16,
+                        help="part 1's training micro-batch (124M at context 1024; 16 took "
+                             "8.5 GiB on an H200; llm.c trains at 64)")
     parser.add_argument("--merge", type=Path, nargs="+", help="gpu_proof.json files to merge")
     args = parser.parse_args(argv)
     if args.merge:
@@ -411,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = args.run_steps or (4 if args.tiny else
                                yaml.safe_load(GPU_CONFIG.read_text())["trainer"]["max_steps"])
-    proof = Proof(device, args.tiny, args.out, args.runs, time.monotonic() + args.budget, steps)
+    proof = Proof(device, args.tiny, args.out, args.runs, time.monotonic() + args.budget, steps,
+                  args.micro_batch)
     figures = run_parts(proof, sorted(set(args.part)))
     bad = [k for k, v in figures["items"].items() if v["status"] in ("failed", "error")]
     print(f"\nfigures: {args.out / 'gpu_proof.md'}" + (f"; not ok: {bad}" if bad else ""))

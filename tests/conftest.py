@@ -28,7 +28,7 @@ except ImportError:
 import pytest  # noqa: E402
 import tiktoken.load  # noqa: E402
 import torch  # noqa: E402
-from helpers import write_corpus, write_metrics  # noqa: E402
+from helpers import HANG_SECONDS, write_corpus, write_metrics  # noqa: E402
 
 from gptmini.model import GPTConfig  # noqa: E402
 
@@ -139,7 +139,7 @@ class PackageCopy:
         env = {**os.environ, "PYTHONPATH": str(self.root), "OMP_NUM_THREADS": "1"}
         check = f"import gptmini; assert gptmini.__file__.startswith({str(self.root)!r})\n"
         done = subprocess.run([sys.executable, "-c", check + code], cwd=self.root, env=env,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 

@@ -1,6 +1,7 @@
 """Small helpers shared by several test files: corpora, tiny checkpoints, PNG sizes, metrics."""
 
 import csv
+import os
 import random
 import socket
 import struct
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gptmini.data import (
     resolve_source,
@@ -20,6 +22,11 @@ from gptmini.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root: where the entry scripts, README.md and configs/ are."""
+HANG_SECONDS = 900
+"""The limit of every wait in a test for a process, a server or a check: a guard against a
+hang, never a speed test. The README's test command ran 10x slower on a busy 2-core machine
+than alone, and a subprocess that imports torch took over 100 s there, so a wait that passes
+alone must pass loaded: what a test asserts is the property, not how fast it came."""
 ENC = get_tokenizer("gpt2")
 
 EOT = ENC.eot_token
@@ -199,3 +206,48 @@ def random_requests(n: int, seed: int, shared_prefix: int = 0):
     prefix = [rng.randrange(256) for _ in range(shared_prefix)]
     return [(prefix + [rng.randrange(256) for _ in range(rng.randint(1, 40 - shared_prefix))],
              rng.randint(1, 30), rng.randrange(6)) for _ in range(n)]
+
+
+class HostReads(TorchDispatchMode):
+    """Records every read of a tensor's value by the host (`bool(t)`, `t.item()`, `if t:`):
+    on a GPU each one waits for the device, so a training step must do none. The CPU's
+    stand-in for `torch.cuda.set_sync_debug_mode("error")`, which only CUDA has."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now (for a process group's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), out / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
+    """`fn(rank, world, *args)` in `world` processes joined by a gloo process group on
+    loopback; returns what each rank returned (saved with torch.save), in rank order. `fn`
+    must be importable by name (a test module's top-level function)."""
+    out = tmp_path / f"ranks-{free_port()}"
+    out.mkdir()
+    torch.multiprocessing.spawn(_rank_main, args=(world, free_port(), fn, args, out),
+                                nprocs=world)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]

@@ -1,8 +1,8 @@
 """The GPU path: `pytest -m gpu` on a machine with CUDA (skipped everywhere else).
 
 bf16-mixed and 16-mixed training (compiled), the flash kernel on the plain causal path,
-the KV cache against recompute, no host sync between logging steps, and a checkpoint
-trained on the GPU generating on the CPU.
+the KV cache against recompute, no host sync between logging steps (also under FSDP2 with
+Muon), and a checkpoint trained on the GPU generating on the CPU.
 """
 
 import pytest
@@ -118,3 +118,19 @@ def test_a_checkpoint_trained_on_the_gpu_generates_on_the_cpu(tmp_path, corpus):
     assert next(model.parameters()).device.type == "cpu"
     out = generate(model, torch.tensor([tok.encode("Romeo said")]), 10)
     assert out.shape == (1, len(tok.encode("Romeo said")) + 10)
+
+
+def test_fsdp2_steps_with_muon_never_wait_on_the_gpu(tmp_path, corpus):
+    """--trainer.strategy fsdp2 on one GPU (NCCL): FSDP2's bf16 gathers, Muon's all-to-alls
+    of whole matrices and the skip of a non-finite step, all without a host sync between
+    logging steps; then a sharded checkpoint. Last in the file: its process group stays."""
+    args = gpu_args(tmp_path, corpus, "--trainer.precision", "bf16-mixed",
+                    "--trainer.strategy", "fsdp2", "--model.optimizer", "muon",
+                    "--trainer.max_steps", "24", "--trainer.log_every_n_steps", "8",
+                    "--checkpoint_every", "24", "--trainer.val_check_interval", "1000")
+    cli = build_cli(args)
+    cli.trainer.callbacks.insert(0, SyncsAreErrors())
+    fit(cli)
+    assert cli.trainer.global_step == 24
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and load_checkpoint(last).model.cfg.n_layers == 2

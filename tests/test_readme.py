@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import tiny_args
+import yaml
+from helpers import HANG_SECONDS, tiny_args
+
+from gptmini.train.command import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
@@ -45,15 +48,12 @@ SKIPPED = {
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
-    "--responses": "the book's records need a longer context than the tiny run's 16",
     "qwen3-0.6b": "needs the Qwen3 download",
 }
 PYTHON_SKIPPED = {
     "checkpoints/gpt2": "needs the GPT-2 download",
     "runs/lora-shakespeare": "needs the LoRA run",
     "sms_spam": "needs the network (the UCI download)",
-    "chat.completions": "the tiny run's context (16 tokens) is shorter than any chat prompt; "
-                        "tests/serve/test_server_chat.py makes these calls on a scripted model",
 }
 
 
@@ -85,7 +85,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder laid out as the README's clone after `python train.py`: the entry scripts,
-    the README and docs/, and a tiny run at runs/shakespeare-cpu."""
+    the README and docs/, and a tiny run at runs/shakespeare-cpu with the default run's
+    context and vocabulary (the BPE it fits to the embedded corpus), so that a page's prompt
+    or conversation fits the tiny run exactly when it fits the model the README trains."""
     from helpers import write_corpus
 
     from gptmini.train.command import main
@@ -96,9 +98,22 @@ def clone(tmp_path_factory) -> Path:
         (root / name).symlink_to(REPO / name)
     corpus = write_corpus(root / "corpus.txt", repeats=12)
     args = tiny_args(root, corpus, "--run_name", "shakespeare-cpu", "--trainer.max_steps", "10",
-                     "--trainer.val_check_interval", "5")
+                     "--trainer.val_check_interval", "5", *default_vocabulary_and_context(root))
     assert main(args) == 0
     return root
+
+
+def default_vocabulary_and_context(root: Path) -> list[str]:
+    """The flags that give a tiny run the default run's tokenizer and context_length."""
+    from gptmini.data import resolve_source
+    from gptmini.data.vocab import fit_tokenizer, parse_bpe
+
+    default = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    vocab = fit_tokenizer(resolve_source(None), parse_bpe(default["model"]["tokenizer"]),
+                          val_fraction=default["data"]["corpus"]["val_fraction"],
+                          cache_dir=root / "cache")
+    return ["--model.tokenizer", str(vocab),
+            "--model.context_length", str(default["model"]["context_length"])]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +128,7 @@ def server(clone):
         yield port, process
     finally:
         process.terminate()
-        process.wait(timeout=60)
+        process.wait(timeout=HANG_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +141,7 @@ def run(command: str, cwd: Path, port: int) -> subprocess.CompletedProcess:
     command = command.replace(".venv/bin/python", sys.executable).replace("8000", str(port))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_SECONDS)
 
 
 def check_output(command: str, stdout: str, cwd: Path) -> None:
@@ -169,7 +184,7 @@ def test_every_command_and_snippet_runs_or_says_why_not(page, clone, server, alr
         os.chdir(cwd)
 
 
-def wait_for(port: int, server: subprocess.Popen, seconds: float = 60) -> None:
+def wait_for(port: int, server: subprocess.Popen, seconds: float = HANG_SECONDS) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert server.poll() is None, server.stdout.read()
@@ -201,3 +216,35 @@ def test_every_skipped_command_is_still_on_a_page():
                       for page in PAGES)
     assert [key for key in {**SKIPPED, **PYTHON_SKIPPED} if key not in shown] == []
     assert shutil.which("sh")
+
+
+CUDA_BUILDS = {"cu126", "cu128", "cu130"}
+"""The CUDA builds download.pytorch.org publishes for torch 2.9 to 2.11 (2.9: the first
+release with torch.optim.Muon); cu124, the README's before, stops at torch 2.6."""
+
+
+def test_the_gpu_install_line_asks_for_pyprojects_torch_from_an_index_that_has_it():
+    """Before: `pip install torch --index-url .../cu124` found no torch 2.9+ build."""
+    wanted = re.search(r'^\s*"(torch[<>=!~][^"]*)"', text("pyproject.toml"), re.M).group(1)
+    lines = re.findall(r"pip install '(torch[^']*)' --index-url "
+                       r"https://download\.pytorch\.org/whl/(\w+)", text("README.md"))
+    assert lines, "the README's GPU install line is gone"
+    for asked, build in lines:
+        assert asked == wanted and build in CUDA_BUILDS, (asked, build, wanted)
+
+
+def test_the_lora_figures_a_page_quotes_are_what_the_code_prints_for_the_default_model():
+    """Before: docs/finetuning.md quoted 65,536 of 4,328,192 parameters, an older default's."""
+    import dataclasses
+
+    from gptmini.model import GPTConfig, GPTModel
+    from gptmini.train.adapters import trained_weights
+
+    quoted = re.search(r"`(LoRA rank 8 on [^`]*)`", text("docs/finetuning.md")).group(1)
+    model = yaml.safe_load(DEFAULT_CONFIG.read_text())["model"]
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    vocab = int(model["tokenizer"].split(":")[1])  # bpe:N has N ids
+    cfg = GPTConfig(vocab_size=vocab, **{k: v for k, v in model.items() if k in fields})
+    lora = trained_weights(rank=8, alpha=16, dropout=0.0, init_from="the default run",
+                           targets=["W_query", "W_key", "W_value", "out_proj"])
+    assert " ".join(quoted.split()) == lora.summary(lora.apply(GPTModel(cfg), set()))

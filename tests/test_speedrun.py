@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import HANG_SECONDS
 
 from gptmini.train.command import DEFAULT_CONFIG
 
@@ -21,7 +22,7 @@ TINY_FLAGS = ["--model.n_layers", "1", "--model.emb_dim", "32", "--model.n_heads
 def run_bench(args: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import HANG_SECONDS
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = """
@@ -20,7 +21,7 @@ print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
 def run(env_extra: dict) -> str:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     proc = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**env, **env_extra})
+                          text=True, timeout=HANG_SECONDS, env={**env, **env_extra})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.split("\n")[-2]
 

@@ -407,11 +407,16 @@ class ClassScore:
     classes: list[str]
 
     def table(self) -> str:
-        """The confusion table as text: a row per true class, a column per predicted one."""
-        width = max(8, *(len(c) + 2 for c in self.classes))
-        lines = ["true \\ predicted".ljust(width) + "".join(c.rjust(width) for c in self.classes)]
+        """The confusion table as text: a row per true class, a column per predicted one,
+        each count right-aligned under its class (the first column as wide as its header or
+        the longest class name, so the counts never slide off their headers)."""
+        corner = "true \\ predicted"
+        first = max(len(corner), *(len(c) for c in self.classes))
+        width = 2 + max(6, *(len(c) for c in self.classes),
+                        *(len(str(n)) for row in self.confusion for n in row))
+        lines = [corner.ljust(first) + "".join(c.rjust(width) for c in self.classes)]
         for name, row in zip(self.classes, self.confusion, strict=True):
-            lines.append(name.ljust(width) + "".join(str(n).rjust(width) for n in row))
+            lines.append(name.ljust(first) + "".join(str(n).rjust(width) for n in row))
         return "\n".join(lines)
 
 

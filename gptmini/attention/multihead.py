@@ -6,7 +6,8 @@ Letters in the shape comments:
     num_keys      keys in this call: cached tokens + new tokens
     num_heads     query heads
     num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
-    head_dim      d_out // num_heads
+    head_dim      d_out // num_heads, or the head_dim given (then the heads are
+                  num_heads * head_dim wide together, and out_proj maps that to d_out)
 
 The module projects queries, keys and values, turns queries and keys by their positions if
 its position scheme rotates (gptmini.attention.positions), appends keys and values to a KV
@@ -58,7 +59,12 @@ class MultiHeadAttention(nn.Module):
         alibi: for a module used alone, ALiBi's per-head distance penalties on the scores
             (the same as position_scheme=AlibiPositions(num_heads)).
         qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
-            OLMo 2 do), which keeps the scores' scale in check.
+            OLMo 2 do), which keeps the scores' scale in check; a name of
+            gptmini.attention.norm.RMS_NORMS picks the kind ("rmsnorm1p": Gemma 3's).
+        head_dim: each head's size, where it is not d_out // num_heads (Qwen3-0.6B's 128
+            for a width of 1024 and 16 heads; Gemma 3's 256).
+        scale: the scores' factor instead of 1/sqrt(head_dim) (Gemma's
+            query_pre_attn_scalar ** -0.5).
         out_bias: a bias in out_proj (the book's); Llama-style models have none.
         softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
         sinks: a learned logit per head in the softmax's denominator (gpt-oss's attention
@@ -72,7 +78,7 @@ class MultiHeadAttention(nn.Module):
     `settings`, an `AttentionSettings`.
     """
 
-    # 18 parameters: the book's six, then one keyword per option above, each one a reader
+    # 20 parameters: the book's six, then one keyword per option above, each one a reader
     # may type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
     # short spelling of two position schemes for a module used alone.
     def __init__(
@@ -91,36 +97,37 @@ class MultiHeadAttention(nn.Module):
         position_scheme: PositionScheme | None = None,
         rope_theta: float | None = None,
         alibi: bool = False,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         out_bias: bool = True,
         softcap: float | None = None,
         sinks: bool = False,
         gate: str = "none",
+        head_dim: int | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        check_heads(d_out, num_heads, num_kv_heads)
+        check_heads(d_out, num_heads, num_kv_heads, head_dim)
         check_dropout(dropout)
         self.d_out = d_out
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = d_out // num_heads
+        self.head_dim = head_dim or d_out // num_heads
+        inner = num_heads * self.head_dim  # the heads side by side: d_out unless head_dim
+        self.query_scale = _query_scale(scale, self.head_dim)
         self.context_length = context_length
         scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
         self.settings = AttentionSettings(causal, window_size, scheme, softcap)
 
         kv_dim = num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, inner, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)  # combines the heads' outputs
+        self.out_proj = nn.Linear(inner, d_out, bias=out_bias)  # combines the heads' outputs
         self.dropout = nn.Dropout(dropout)
         if qk_norm:  # one gain per head dimension, shared by the heads
-            from gptmini.attention.norm import RMSNorm  # (loaded by the option that needs it)
-
-            self.q_norm = RMSNorm(self.head_dim, eps=1e-6)
-            self.k_norm = RMSNorm(self.head_dim, eps=1e-6)
-        self.qk_norm = qk_norm
+            self.q_norm, self.k_norm = _qk_norms(qk_norm, self.head_dim)
+        self.qk_norm = bool(qk_norm)
         # after the book's weights, which keep their order; zeros: no random numbers drawn
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
         self.gate = None
@@ -204,6 +211,8 @@ class MultiHeadAttention(nn.Module):
         values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # rotated at their positions (a rotary scheme), then cached
         queries, keys = self.settings.position_scheme.rotate(queries, keys, context)
+        if self.query_scale is not None:
+            queries = queries * self.query_scale
 
         if kv_cache is not None:
             # (b, num_kv_heads, num_keys, head_dim)
@@ -217,8 +226,8 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout.p if self.training else 0.0,
             return_weights=return_weights, sinks=self.sinks)
 
-        # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, d_out)
-        context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
+        # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, num_heads * head_dim)
+        context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, -1)
         if self.gate is not None:
             context_vec = self.gate(x, context_vec)
         out = self.out_proj(context_vec)
@@ -228,15 +237,22 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if return_weights else out
 
 
-def check_heads(d_out: int, num_heads: int, num_kv_heads: int) -> None:
-    """The heads' rule: query heads divide the width, key/value heads divide the query heads.
+def check_heads(d_out: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None
+                ) -> None:
+    """The heads' rule: query heads divide the width (unless they have a head_dim of their
+    own), key/value heads divide the query heads.
 
     Raises:
-        ArgumentError: naming num_heads or num_kv_heads.
+        ArgumentError: naming head_dim, num_heads or num_kv_heads.
     """
-    if not isinstance(num_heads, int) or num_heads < 1 or d_out % num_heads != 0:
-        raise ArgumentError("num_heads", num_heads,
-                            f"it must divide the width ({d_out}): pick one of its divisors")
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
+                                 or head_dim < 1):
+        raise ArgumentError("head_dim", head_dim, "use a positive integer, or None for the "
+                            "width / the heads")
+    if (not isinstance(num_heads, int) or num_heads < 1
+            or (head_dim is None and d_out % num_heads != 0)):
+        raise ArgumentError("num_heads", num_heads, f"it must divide the width ({d_out}): "
+                            "pick one of its divisors, or give the heads a head_dim")
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise ArgumentError("num_kv_heads", num_kv_heads, f"use a divisor of the {num_heads} "
                             "query heads (1: multi-query attention)")
@@ -250,6 +266,32 @@ def check_dropout(dropout: float) -> None:
     """
     if not 0.0 <= dropout < 1.0:
         raise ArgumentError("dropout", dropout, "use a number in [0, 1)")
+
+
+def _query_scale(scale: float | None, head_dim: int) -> float | None:
+    """What queries are multiplied by so that the scores, which every kernel scales by
+    1/sqrt(head_dim), are scaled by `scale` instead; None: nothing to multiply.
+
+    Raises:
+        ArgumentError: naming scale, when it is not a finite positive number.
+    """
+    if scale is None:
+        return None
+    if not (isinstance(scale, float | int) and 0 < scale < float("inf")):
+        raise ArgumentError("scale", scale, "use a finite positive factor, or None for "
+                            "1/sqrt(head_dim)")
+    factor = scale * head_dim ** 0.5
+    return None if factor == 1.0 else factor
+
+
+def _qk_norms(kind: bool | str, head_dim: int) -> tuple[nn.Module, nn.Module]:
+    """QK-norm's two norms, of the kind named (True: RMSNorm), with Qwen3's epsilon."""
+    from gptmini.attention.norm import RMS_NORMS  # (loaded by the option that needs it)
+
+    if kind is not True and kind not in RMS_NORMS:
+        raise ArgumentError("qk_norm", kind, f"use True or one of {', '.join(RMS_NORMS)}")
+    norm = RMS_NORMS["rmsnorm" if kind is True else kind]
+    return norm(head_dim, eps=1e-6), norm(head_dim, eps=1e-6)
 
 
 def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, alibi: bool,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["RMSNorm", "rms_norm"]
+__all__ = ["RMS_NORMS", "RMSNorm", "ZeroCenteredRMSNorm", "rms_norm"]
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -93,3 +93,22 @@ class RMSNorm(nn.RMSNorm):
         if self.weight is None or len(self.normalized_shape) != 1:
             return super().forward(x)
         return rms_norm(x, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose gain is 1 + weight, the weight starting at 0 (Gemma's: its checkpoints
+    store the weight, and weight decay pulls the gain toward 1, not 0). The gain is formed
+    in float32 or wider, as Gemma's is, so a bf16 weight near 0 keeps its digits."""
+
+    def reset_parameters(self) -> None:  # (nn.RMSNorm's constructor calls it)
+        super().reset_parameters()
+        if self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = torch.promote_types(self.weight.dtype, torch.float32)
+        return rms_norm(x, 1.0 + self.weight.to(wide), self.eps)
+
+
+RMS_NORMS = {"rmsnorm": RMSNorm, "rmsnorm1p": ZeroCenteredRMSNorm}
+"""The RMS norms by GPTConfig.norm's name: Llama's and Gemma's (gain 1 + weight)."""

@@ -14,10 +14,17 @@ do it this way instead, and so does `atomic_save`:
 A kill at any point leaves either the old checkpoint or the new one, never a mix; the only
 leftover can be a hidden `.<name>.tmp-<pid>` file, which the next save or the next start
 of the run removes.
+
+A sharded checkpoint is a directory (`gptmini.checkpoint.sharded`), which no rename can put
+over another: `replace_directory` moves the previous one aside (`.<name>.old-<pid>`), then
+the new one in, then deletes the old. Each step is one rename; a kill between the two
+leaves no `<name>` but the previous checkpoint aside, which `remove_stale_temporaries` (at
+the next start of the run) puts back.
 """
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 TEMPORARY_MARK = ".tmp-"
+PREVIOUS_MARK = ".old-"
 
 
 class CheckpointWriteError(OSError):
@@ -38,20 +46,50 @@ def temporary_path(path: Path) -> Path:
 
 
 def remove_stale_temporaries(directory: str | os.PathLike, name: str = "*") -> list[Path]:
-    """Delete the temporary files that killed saves left in `directory`.
+    """Delete the temporary files and directories that killed saves left in `directory`,
+    and put back a previous sharded checkpoint that a killed `replace_directory` left aside.
 
     Args:
-        name: only the temporaries of this checkpoint file name ("*": all of them).
+        name: only the temporaries of this checkpoint's name ("*": all of them).
 
     Returns:
         The paths removed.
     """
     removed = []
+    for aside in Path(directory).glob(f".{name}{PREVIOUS_MARK}*"):
+        target = aside.with_name(aside.name[1:].rsplit(PREVIOUS_MARK, 1)[0])
+        if target.exists():  # the new one is in place: the old one goes
+            remove_checkpoint_path(aside)
+            removed.append(aside)
+        else:  # killed between the two renames: the previous one comes back
+            os.replace(aside, target)
     for path in Path(directory).glob(f".{name}{TEMPORARY_MARK}*"):
+        remove_checkpoint_path(path)
+        removed.append(path)
+    return removed
+
+
+def remove_checkpoint_path(path: Path) -> None:
+    """Delete a checkpoint file or a sharded checkpoint's directory; nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-            removed.append(path)
-    return removed
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Put the complete directory `new` (beside `target`) in the place of `target`, a file
+    or a directory or nothing, so that `target` is the old checkpoint or the new one (see
+    the module's docstring); the old one is then deleted."""
+    for written in (*new.iterdir(), new):  # torch.distributed.checkpoint syncs its shards
+        _fsync_path(written)
+    aside = target.with_name(f".{target.name}{PREVIOUS_MARK}{os.getpid()}")
+    if target.exists():
+        os.replace(target, aside)
+    os.replace(new, target)
+    _fsync_directory(target.parent)
+    remove_checkpoint_path(aside)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -116,8 +154,12 @@ class _Writer:
 def _fsync_directory(directory: Path) -> None:
     # The rename is an entry in the directory: sync it too. Not possible everywhere
     # (Windows, some network filesystems); the rename itself is atomic regardless.
+    _fsync_path(directory)
+
+
+def _fsync_path(path: Path) -> None:
     with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

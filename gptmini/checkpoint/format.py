@@ -26,6 +26,7 @@ import tiktoken
 import torch
 
 from gptmini.chat import directory_template
+from gptmini.checkpoint.sharded import is_sharded, read_sharded, read_sharded_metadata
 from gptmini.convert import (
     check_finite,
     directory_config,
@@ -111,7 +112,7 @@ def load_checkpoint(
         )
     if torch.device(map_location).type != "cpu":  # else torch.load calls the file corrupt
         resolve_device(str(map_location))
-    if path.is_dir():
+    if path.is_dir() and not is_sharded(path):
         return _load_hf_directory(path, map_location)
 
     ckpt = read_checkpoint(path, map_location)
@@ -207,11 +208,11 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
         raise FileNotFoundError(
             f"no model at {path}: pass a gptmini checkpoint (.ckpt, under a run's "
             "checkpoints/) or a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3 directory")
-    if path.is_dir():
+    if path.is_dir() and not is_sharded(path):
         cfg = directory_config(path)
         tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))
         return cfg.fit_vocab(tokenizer.n_vocab), tokenizer
-    ckpt = read_checkpoint(path, "cpu", mmap=True)
+    ckpt = read_checkpoint(path, "cpu", mmap=True, weights=False)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict):
         raise ValueError(f"{path} is not a gptmini checkpoint (what train.py saves)")
     try:
@@ -271,9 +272,9 @@ def training_steps(path: str | Path) -> int | None:
     None for a Hugging Face directory or a file without the count. Memory-maps the file,
     so a large checkpoint is not read twice."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded(path):
         return None
-    ckpt = read_checkpoint(path, mmap=True)
+    ckpt = read_checkpoint(path, mmap=True, weights=False)
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
     return step if isinstance(step, int) else None
 
@@ -374,14 +375,24 @@ def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
     return cfg.fit_vocab(n_vocab)
 
 
-def read_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False) -> object:
-    """`torch.load` with weights only: tensors, numbers, strings and containers.
+def read_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False,
+                    weights: bool = True) -> object:
+    """`torch.load` with weights only: tensors, numbers, strings and containers; a sharded
+    checkpoint's directory is read whole (`gptmini.checkpoint.sharded.read_sharded`), or
+    with `weights` False without its weights and optimizer states (its meta.pt: cheap, as a
+    memory-mapped file is).
 
     Raises:
         ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary
             code to load (which is refused), naming the path and the fix.
     """
     path = Path(path)
+    if is_sharded(path):
+        checkpoint = read_sharded(path) if weights else read_sharded_metadata(path)
+        if map_location != "cpu":
+            checkpoint["state_dict"] = {k: v.to(map_location)
+                                        for k, v in checkpoint.get("state_dict", {}).items()}
+        return checkpoint
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -404,12 +415,13 @@ def read_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False)
 def check_readable(path: str | Path) -> None:
     """Fail now, with a clear message, if `path` is not a checkpoint torch can read safely.
 
-    Memory-maps the file, so even a large checkpoint costs little to check.
+    Memory-maps the file (reads a sharded checkpoint's meta.pt alone), so even a large
+    checkpoint costs little to check.
 
     Raises:
         ValueError: the file is truncated, not a PyTorch checkpoint, or needs arbitrary code.
     """
-    read_checkpoint(path, "cpu", mmap=True)
+    read_checkpoint(path, "cpu", mmap=True, weights=False)
 
 
 def _corrupt(path: Path, err: Exception) -> ValueError:

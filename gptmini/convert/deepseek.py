@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from gptmini.convert.llama import TABLE as LLAMA_TABLE
-from gptmini.convert.llama import interleaved_to_halves, rope_base
+from gptmini.convert.llama import interleaved_to_halves
+from gptmini.convert.rope import rope_base
 from gptmini.convert.weights import (
     Layout,
     config_integer,
@@ -45,7 +46,9 @@ to it."""
 DEEPSEEK = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
             "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
             "layer_windows": None, "attn_sinks": False, "attn_gate": "none",
-            "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS}
+            "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS,
+            "rope_scaling": None, "rope_local_theta": None, "post_norms": False,
+            "scale_embeddings": False, "logit_softcap": None}
 """The GPTConfig options a dense DeepSeek-V3 has, beside mla_kv_lora_rank."""
 
 # (gptmini name, Hugging Face name); {i}: every layer. A dense DeepSeek-V3 is Llama's
@@ -104,7 +107,7 @@ def config_from_deepseek(hf_config: Mapping) -> GPTConfig:
         problems.append(f"first_k_dense_replace={dense!r} below num_hidden_layers={layers} "
                         "(mixture-of-experts layers; gptmini's MLP is dense: only a "
                         "DeepSeek-V3 with first_k_dense_replace >= num_hidden_layers loads)")
-    theta, rope_problems = rope_base(c)
+    theta, rope_problems = rope_base(c, "DeepSeek-V3")
     problems += rope_problems
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (SwiGLU here is SiLU-gated)")

@@ -14,6 +14,7 @@ from tiktoken import Encoding
 from torch import Tensor
 
 from gptmini.convert.deepseek import LAYOUTS as DEEPSEEK_LAYOUTS
+from gptmini.convert.gemma import LAYOUTS as GEMMA_LAYOUTS
 from gptmini.convert.gpt2 import LAYOUTS as GPT2_LAYOUTS
 from gptmini.convert.llama import LAYOUTS as LLAMA_LAYOUTS
 from gptmini.convert.llama import is_llama_architecture
@@ -27,10 +28,10 @@ __all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "re
            "write_tokenizer_files"]
 
 
-LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS}
+LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS}
 """The `model_type`s gptmini reads and writes, each a `Layout` its module lists (GPT-2's;
 Llama's and Qwen3's, Llama's layout with QK-norm; DeepSeek-V3's, multi-head latent
-attention, every layer dense)."""
+attention, every layer dense; Gemma 3's text model)."""
 
 
 def export_layout(model: GPTModel) -> str:
@@ -51,8 +52,8 @@ def export_layout(model: GPTModel) -> str:
 
 
 def load_hf(directory: str | Path) -> GPTModel:
-    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama, Qwen3 or dense
-    DeepSeek-V3 directory.
+    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama, Qwen3, dense
+    DeepSeek-V3 or Gemma 3 (text) directory.
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -189,7 +190,8 @@ def export_hf(model: GPTModel, directory: str | Path, tokenizer: Encoding | None
     """Write `model` as a GPT-2 directory that `transformers` loads (a model of Llama's
     architecture, rotary + SwiGLU, as a `LlamaForCausalLM` directory: gptmini.convert.llama;
     one of multi-head latent attention as a dense `DeepseekV3ForCausalLM` directory:
-    gptmini.convert.deepseek).
+    gptmini.convert.deepseek; one of GeGLU as a `Gemma3ForCausalLM` directory:
+    gptmini.convert.gemma).
 
     The directory holds `config.json` and `model.safetensors`, and
     `transformers.GPT2LMHeadModel.from_pretrained(directory)` loads it. With `tokenizer`,

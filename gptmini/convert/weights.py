@@ -8,10 +8,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel
 
-__all__ = ["Layout", "check_finite", "check_float_weights", "config_integer", "config_number",
-           "model_from_weights", "quantization_problem"]
+__all__ = ["Layout", "check_finite", "check_float_weights", "checked_config", "config_integer",
+           "config_number", "model_from_weights", "quantization_problem"]
 
 
 class Layout(NamedTuple):
@@ -56,6 +56,19 @@ def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list
     except RuntimeError as err:
         raise ValueError(f"the {layout} weights do not fit its config ({cfg}):\n{err}") from err
     return model.eval()
+
+
+def checked_config(layout: str, **fields) -> GPTConfig:
+    """`GPTConfig(**fields)` for a `layout` config.json, a field it refuses (a rope scaling
+    setting out of range, a head size of the wrong parity) named as that config's problem.
+
+    Raises:
+        ValueError: naming the layout and the GPTConfig field.
+    """
+    try:
+        return GPTConfig(**fields)
+    except ConfigError as err:
+        raise ValueError(f"this {layout} config cannot be loaded into GPTModel: {err}") from None
 
 
 def check_float_weights(weights: Mapping[str, Tensor], where: str) -> None:

@@ -98,7 +98,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # ChatDataError included
         parser.error(str(err))
     if args.chat:
-        return chat_main(session)
+        return chat_main(session, carried=bool((hparams or {}).get("chat_template")))
 
     generator = None
     if args.seed is not None:
@@ -145,14 +145,23 @@ def read_prompt(args) -> str:
                          f"{err.start}); convert it first, e.g. iconv -t utf-8") from None
 
 
-def chat_main(session: ChatSession) -> int:
+def chat_main(session: ChatSession, *, carried: bool) -> int:
     """`generate.py --chat`: converse over stdin. What the template is goes to stderr, so
-    that stdout holds the replies alone (one line each) when stdin is piped."""
+    that stdout holds the replies alone (one line each) when stdin is piped. `carried`: the
+    checkpoint carries its template (a chat fine-tune's), whatever its name."""
     interactive = sys.stdin.isatty()
     name = session.template.name
-    note = {"book": " (the book's instruction prompt: this checkpoint has no chat template "
-                    "of its own; a model never tuned on it will just continue the text)",
-            "gptmini": " (gptmini's own)"}.get(name, "")
-    print(f"chat template {name!r}{note}; /reset starts over, /exit or Ctrl-D ends",
-          file=sys.stderr, flush=True)
+    print(f"chat template {name!r}{template_note(name, carried)}; /reset starts over, "
+          "/exit or Ctrl-D ends", file=sys.stderr, flush=True)
     return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+
+
+def template_note(name: str, carried: bool) -> str:
+    """Where the chat template came from, decided by what the checkpoint carries, not by the
+    template's name: a fine-tune on the book's records carries "book" and was tuned on it."""
+    if carried:
+        return " (the one this checkpoint was fine-tuned with)"
+    if name == "book":
+        return (" (the book's instruction prompt: this checkpoint has no chat template of its "
+                "own; a model never tuned on it will just continue the text)")
+    return " (gptmini's own)" if name == "gptmini" else ""

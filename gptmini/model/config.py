@@ -13,14 +13,12 @@ from gptmini.attention.context import check_window
 from gptmini.attention.errors import ArgumentError
 from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
-from gptmini.model.checks import ConfigError, is_finite_number
+from gptmini.model.checks import NORMS, ConfigError, is_finite_number
 from gptmini.model.feedforward import MLPS, FeedForwardKind
 from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
 
 __all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError", "GPTConfig",
            "is_finite_number", "window_pattern"]
-
-NORMS = ("layernorm", "rmsnorm")
 
 # The book's configuration dictionary, field for field.
 GPT_CONFIG_124M = {
@@ -69,7 +67,7 @@ class GPTConfig:
     emb_dim: int = 768
     """Width of the residual stream."""
     n_heads: int = 12
-    """Attention (query) heads per layer; must divide emb_dim."""
+    """Attention (query) heads per layer; must divide emb_dim unless head_dim is set."""
     n_layers: int = 12
     """Transformer blocks."""
     drop_rate: float = 0.1
@@ -100,19 +98,18 @@ class GPTConfig:
     rope_theta: float = 10000.0
     """Rotary base: frequency i of a head is rope_theta ** (-2i / head_dim)."""
     norm: str = "layernorm"
-    """layernorm (the book's) or rmsnorm (no mean, no bias: Llama's)."""
+    """layernorm (the book's), rmsnorm (no mean, no bias: Llama's) or rmsnorm1p (its gain
+    1 + weight, the weight starting at 0: Gemma's)."""
     norm_eps: float = 1e-5
     """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
     mlp: str = "gelu"
-    """The feed-forward, a name in gptmini.model.feedforward.MLPS: gelu (the book's 4x
-    GELU), swiglu (gated SiLU, Llama's) or relu2 (squared ReLU); or one of your own as
+    """The feed-forward, a name in gptmini.model.feedforward.MLPS (gelu: the book's 4x GELU;
+    swiglu, relu2, geglu: Gemma's, moe: a mixture of experts), or your own as
     'package.module:ClassName'."""
     mlp_hidden_dim: int | None = None
-    """The MLP's hidden width; None: 4 * emb_dim, or for swiglu 8/3 * emb_dim rounded up to a
-    multiple of 64 (about the parameters of 4x GELU)."""
+    """The MLP's (each expert's) hidden width; None: the feed-forward's (gelu's 4 * emb_dim)."""
     mlp_options: dict | None = None
-    """The feed-forward's own options, by the names it reads (its `options`); the built-ins
-    take none. None: none."""
+    """The feed-forward's own options by name (moe's experts, top_k, ...); None: none."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys before attending (Qwen3, OLMo 2)."""
     bias: bool = True
@@ -157,6 +154,31 @@ class GPTConfig:
     """A sliding window per layer, None for a layer that sees every key: Gemma 3's five
     local layers per global one, gpt-oss's alternation (build one with `window_pattern`).
     A windowed layer's KV cache holds only its window. None: every layer has window_size."""
+    # The published checkpoints' own shapes (issue 45): Qwen3's and Gemma 3's head size,
+    # Llama 3.1's and YaRN's rotary scaling, Gemma 3's blocks.
+    head_dim: int | None = None
+    """Each attention head's size where it is not emb_dim / n_heads (Qwen3-0.6B: 128 for a
+    width of 1024 and 16 heads; Gemma 3: 256); None: emb_dim / n_heads, the book's."""
+    rope_scaling: dict | None = None
+    """Rotary frequency scaling as Hugging Face's rope_parameters without rope_theta: a
+    rope_type of linear, llama3 or yarn and its settings (gptmini.attention.positions.scaling),
+    e.g. Llama 3.1's {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+    'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}; None: none."""
+    rope_local_theta: float | None = None
+    """The rotary base of windowed (local) layers, which rotate without rope_scaling (Gemma
+    3's rope_local_base_freq, 10000); None: rope_theta and rope_scaling in every layer."""
+    attn_scale_dim: float | None = None
+    """Divide the scores by the square root of this instead of the head size's (Gemma's
+    query_pre_attn_scalar); None: the head size, the book's."""
+    post_norms: bool = False
+    """A norm on each sublayer's output too, before it joins the residual stream (Gemma 2
+    and 3 norm before and after attention and the MLP)."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(emb_dim), Gemma's (a tied head reads them
+    unscaled)."""
+    logit_softcap: float | None = None
+    """Soft-cap the logits at this value (cap * tanh(logits / cap), Gemma 2's
+    final_logit_softcapping); None: no cap."""
 
     def __post_init__(self):
         self._check_shape()
@@ -190,7 +212,8 @@ class GPTConfig:
             value = getattr(self, field)
             need(isinstance(value, int) and value >= 1, field, "use a positive integer")
         with self._as_field(num_heads="n_heads", num_kv_heads="n_kv_heads"):
-            check_heads(self.emb_dim, self.n_heads, self.n_kv_heads or self.n_heads)
+            check_heads(self.emb_dim, self.n_heads, self.n_kv_heads or self.n_heads,
+                        self.head_dim)
         for field in ("drop_rate", "attn_drop_rate"):
             value = getattr(self, field)
             if value is not None or field == "drop_rate":
@@ -215,12 +238,19 @@ class GPTConfig:
              f"use one of {', '.join(kernels.KERNELS)}, or a kernel class of your own as "
              "'package.module:ClassName'")
         need(self.position in SCHEMES, "position", f"use one of {', '.join(SCHEMES)}")
-        with self._as_field(head_dim="n_heads"):
+        for field in ("rope_scaling", "rope_local_theta"):  # only a scheme that reads them
+            need(getattr(self, field) is None or field in SCHEMES[self.position].options,
+                 field, f"position {self.position!r} does not read it: use position 'rope', "
+                 "or None")
+        with self._as_field(head_dim="n_heads" if self.head_dim is None else "head_dim"):
             SCHEMES["rope"].check_theta(self.rope_theta)  # the base's one rule, any scheme
             self.position_scheme()  # checks its own constraints
-        if self.attn_softcap is not None:
-            self._need_number("attn_softcap", lambda x: x > 0.0,
-                              "use a finite positive cap such as 50, or None for no cap")
+        for field, fix in (("attn_softcap", "a finite positive cap such as 50, or None"),
+                           ("logit_softcap", "a finite positive cap such as 30, or None"),
+                           ("attn_scale_dim", "a finite positive number (Gemma's "
+                            "query_pre_attn_scalar, such as 256), or None for the head size")):
+            if getattr(self, field) is not None:
+                self._need_number(field, lambda x: x > 0.0, "use " + fix)
         need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
         if self.attn_gate != "none":  # the gate's table loads with the option that uses it
             from gptmini.attention.gate import GATES
@@ -232,6 +262,8 @@ class GPTConfig:
         fields it reads as it is built."""
         need = self._need
         need(self.norm in NORMS, "norm", f"use one of {', '.join(NORMS)}")
+        for field in ("post_norms", "scale_embeddings"):
+            need(isinstance(getattr(self, field), bool), field, "use true or false")
         # An epsilon of 1 or more swamps the variance it is added to: every token's
         # normalized activations shrink toward zero, and the model predicts one distribution.
         self._need_number("norm_eps", lambda x: 0.0 < x < 1.0,
@@ -296,6 +328,11 @@ class GPTConfig:
         if self.layer_windows is None:
             return self.window_size
         return None if None in self.layer_windows else max(self.layer_windows)
+
+    @property
+    def head_size(self) -> int:
+        """An attention head's size: head_dim, or emb_dim // n_heads."""
+        return self.head_dim or self.emb_dim // self.n_heads
 
     @property
     def attention_dropout(self) -> float:

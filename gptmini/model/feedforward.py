@@ -5,11 +5,12 @@ conversion ask instead of branching on a name.
     gelu     the book's FeedForward: emb_dim -> 4 * emb_dim -> emb_dim, GELU (tanh)
     relu2    the same with squared ReLU (modded-nanogpt's)
     swiglu   gated SiLU, Llama's: down(silu(gate(x)) * up(x))
+    geglu    gated GELU, Gemma's (gptmini.variants.geglu, loaded when named)
+    moe      a top-k routed mixture of SwiGLU experts, Qwen3-MoE's (gptmini.variants.moe)
 
 A new one is its own file (a `FeedForwardKind` and its module) and one entry in `MLPS`; one
-of your own needs no entry: name it by import path 'package.module:ClassName' in
-GPTConfig.mlp, its options in mlp_options. Its module is called as `module(x)`, and with
-`aux_losses=` if its `aux_loss` is True (as a token mixer's: gptmini.model.mixers).
+of your own needs none: name it 'package.module:ClassName' in GPTConfig.mlp, its options in
+mlp_options. Its module is called as `module(x)`, with `aux_losses=` if its `aux_loss` is True.
 """
 
 from dataclasses import dataclass
@@ -72,9 +73,8 @@ class SwiGLU(nn.Module):
 
 class FeedForwardKind:
     """What the model, FLOP counts and conversion ask of a block's feed-forward; each
-    built-in answers for itself. Write one as a dataclass built by `from_config`, which
-    checks the config fields it reads (raising ConfigError; its own options come in
-    GPTConfig.mlp_options)."""
+    built-in answers for itself. Write one as a dataclass built by `from_config`, which checks
+    the config fields it reads, its own options in GPTConfig.mlp_options (ConfigError)."""
 
     options: ClassVar[tuple[str, ...]] = ()
     """The keys it reads from GPTConfig.mlp_options (the config refuses any other)."""
@@ -99,6 +99,10 @@ class FeedForwardKind:
     def residual_weights(self, module: nn.Module) -> list[nn.Parameter]:
         """The weights that write into the residual stream (GPT-2 scales their init)."""
         return [module.proj_out.weight]
+
+    def finish_aux_losses(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The parts once every layer added its own (the moe's statistics -> its loss)."""
+        return parts
 
 
 @dataclass(frozen=True)
@@ -149,5 +153,7 @@ MLPS = Table("feed-forward", {
     "gelu": GeluMLP,
     "swiglu": SwiGLUMLP,
     "relu2": SquaredReluMLP,
+    "geglu": "gptmini.variants.geglu:GeGLUMLP",
+    "moe": "gptmini.variants.moe:MoE",
 })
 """Every feed-forward by the name GPTConfig.mlp gives it (read-only)."""

@@ -29,25 +29,25 @@ __all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy"]
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
-    """LayerNorm (the book's) or RMSNorm, over emb_dim."""
-    if cfg.norm == "rmsnorm":
-        from gptmini.attention.norm import RMSNorm  # (loaded by the config that names it)
+    """LayerNorm (the book's) or an RMS norm (gptmini.attention.norm's), over emb_dim."""
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
+    from gptmini.attention.norm import RMS_NORMS  # (loaded by the config that names one)
 
-        return RMSNorm(cfg.emb_dim, eps=cfg.norm_eps)  # torch's, faster on a CPU
-    return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return RMS_NORMS[cfg.norm](cfg.emb_dim, eps=cfg.norm_eps)  # torch's, faster on a CPU
 
 
 def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
-    """How a mixer's or feed-forward's module hands the model an auxiliary loss (one whose
-    `aux_loss` is True; see gptmini.model.mixers.TokenMixer.aux_loss): `loss`, a scalar
-    already weighted by its coefficient, added to this pass's `aux_losses` under `name`
-    (summed over the layers that add one); nothing when nobody asked for them (None)."""
+    """How a module whose `aux_loss` is True hands the model an auxiliary loss: `loss`, a scalar
+    weighted by its coefficient (or statistics its feed-forward's finish_aux_losses makes one),
+    summed under `name` over the layers into `aux_losses`; nothing when it is None (not asked)."""
     if aux_losses is not None:
         aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)). `att` is what the
+    """Pre-LayerNorm block: x + att(norm1(x)), then x + ff(norm2(x)); with cfg.post_norms,
+    x + post_norm1(att(norm1(x))), then x + post_norm2(ff(norm2(x))). `att` is what the
     layer's token mixer makes (the book's attention by default), `ff` what the feed-forward
     makes. `position_scheme` is the model's, shared by every block (None: a new one of
     cfg's); `layer` is the block's index, which picks its mixer and window; `mixer` and
@@ -63,6 +63,8 @@ class TransformerBlock(nn.Module):
         self.ff = feed_forward.make_module()
         self.norm1 = make_norm(cfg)
         self.norm2 = make_norm(cfg)
+        self.post_norm1 = make_norm(cfg) if cfg.post_norms else nn.Identity()
+        self.post_norm2 = make_norm(cfg) if cfg.post_norms else nn.Identity()
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
         # which of the two hand in auxiliary losses (fixed here: no branch on data)
         self.att_aux, self.ff_aux = mixer.aux_loss, feed_forward.aux_loss
@@ -84,9 +86,9 @@ class TransformerBlock(nn.Module):
         weights = None
         if return_weights:
             att, weights = att
-        x = x + self.drop_shortcut(att)
+        x = x + self.drop_shortcut(self.post_norm1(att))
         extra = {"aux_losses": aux_losses} if self.ff_aux else {}
-        x = x + self.drop_shortcut(self.ff(self.norm2(x), **extra))
+        x = x + self.drop_shortcut(self.post_norm2(self.ff(self.norm2(x), **extra)))
         return (x, weights) if return_weights else x
 
 
@@ -108,6 +110,9 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_width, cfg.emb_dim)
+        # Gemma's sqrt(width), a float32 number in the model's dtype as transformers keeps it
+        self.register_buffer("emb_scale", torch.tensor(cfg.emb_dim ** 0.5)
+                             if cfg.scale_embeddings else None, persistent=False)
         self.position_scheme = cfg.position_scheme()  # one, shared by every layer
         pos_emb = self.position_scheme.make_embedding()
         if pos_emb is not None:  # held under the book's name, which its state dicts use
@@ -210,7 +215,10 @@ class GPTModel(nn.Module):
         """
         context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
         self._check_asked(targets, reduction, logits_to_keep, return_weights, return_parts)
-        x = self.position_scheme.embed(self.tok_emb(in_idx), context)  # (b, num_tokens, emb)
+        x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
+        if self.emb_scale is not None:
+            x = x * self.emb_scale
+        x = self.position_scheme.embed(x, context)
         x = self.drop_emb(x)
 
         all_weights = []
@@ -224,6 +232,7 @@ class GPTModel(nn.Module):
         if targets is not None:
             loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
                     if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
+            parts = self.feed_forward.finish_aux_losses(parts) if return_parts else None
             total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
             return (total, parts) if return_parts else loss
         if isinstance(logits_to_keep, Tensor):
@@ -273,6 +282,8 @@ class GPTModel(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = self.out_head(self.final_norm(x))  # (..., vocab_width)
+        if self.cfg.logit_softcap is not None:
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
         if self.cfg.vocab_width > self.cfg.vocab_size:
             # Padding ids are not tokens: no logit for them, so nothing can sample them.
             logits = logits[..., : self.cfg.vocab_size]  # (..., vocab_size)

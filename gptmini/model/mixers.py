@@ -26,7 +26,7 @@ from torch import nn
 from gptmini.attention import KVCache, MultiHeadAttention
 from gptmini.attention.positions import PositionScheme
 from gptmini.attention.table import Table
-from gptmini.model.checks import ConfigError
+from gptmini.model.checks import NORMS, ConfigError
 
 __all__ = ["MIXERS", "Attention", "TokenMixer", "layer_mixer_names"]
 
@@ -103,11 +103,13 @@ class Attention(TokenMixer):
             window_size=cfg.window_of(layer),
             backend=cfg.attention_backend,
             position_scheme=position_scheme,
-            qk_norm=cfg.qk_norm,
+            qk_norm=cfg.qk_norm and NORMS[cfg.norm],  # the RMS norm of the model's kind
             out_bias=cfg.bias,
             softcap=cfg.attn_softcap,
             sinks=cfg.attn_sinks,
             gate=cfg.attn_gate,
+            head_dim=cfg.head_dim,
+            scale=None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5,
         )
 
     def new_cache(self, module: MultiHeadAttention) -> KVCache:
@@ -122,13 +124,14 @@ class Attention(TokenMixer):
         """6 * N for W_query (d x d), W_key and W_value (d x kv_dim each), out_proj (d x d)
         and the gate's W_gate (d x d elementwise, d x H headwise); then per token, each of H
         heads scores T keys (2 * T * head_dim) and mixes T values (2 * T * head_dim)
-        forward: 4 * T * d, times 3 = 12 * T * d."""
+        forward: 4 * T * d, times 3 = 12 * T * d; with a head_dim of their own, the heads'
+        width H * head_dim in place of d in all but the input's side."""
         cfg = self.cfg
-        d = cfg.emb_dim
-        kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
-        gate = {"none": 0, "headwise": cfg.n_heads, "elementwise": d}[cfg.attn_gate]
-        weights = d * d + 2 * d * kv_dim + d * d + d * gate
-        return 6 * weights + 12 * seq_len * d
+        d, inner = cfg.emb_dim, cfg.n_heads * cfg.head_size
+        kv_dim = cfg.head_size * (cfg.n_kv_heads or cfg.n_heads)
+        gate = {"none": 0, "headwise": cfg.n_heads, "elementwise": inner}[cfg.attn_gate]
+        weights = d * inner + 2 * d * kv_dim + inner * d + d * gate
+        return 6 * weights + 12 * seq_len * inner
 
 
 MIXERS = Table("token mixer", {

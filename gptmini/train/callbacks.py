@@ -19,6 +19,7 @@ from gptmini.tokenizer import encode_prompt
 from gptmini.train.lightning_internals import rewind_batches, save_last_checkpoint
 from gptmini.train.module import GPTLitModule
 from gptmini.train.rng import rng_states, set_rng_states
+from gptmini.train.sharding import is_sharded_run
 
 
 class EveryNSteps(Callback):
@@ -32,12 +33,14 @@ class EveryNSteps(Callback):
     def __init__(self, every_n_steps: int):
         self.every_n_steps = every_n_steps
 
-    def due(self, trainer: Trainer, pl_module: GPTLitModule) -> bool:
+    def due(self, trainer: Trainer, pl_module: GPTLitModule, every_rank: bool = False) -> bool:
+        """`every_rank`: due on every rank, not rank 0 alone (a sharded model's forward
+        needs all of them)."""
         return (
             pl_module.optimizer_steps.stepped(trainer)
             and self.every_n_steps > 0
             and trainer.global_step % self.every_n_steps == 0
-            and trainer.is_global_zero
+            and (trainer.is_global_zero or every_rank)
         )
 
 
@@ -164,6 +167,19 @@ class StoppedAtOnce(BaseException):
         return 128 + self.signum
 
 
+def hand_on(signum: int, handler: Any) -> None:
+    """Do with `signum` what `handler` (the caller's, from before training) does, once a run
+    it stopped has saved and unwound: training inside another program (pytest, a notebook)
+    must not swallow that program's Ctrl-C or SIGTERM. A Python handler is called (Python's
+    own for SIGINT raises KeyboardInterrupt); the default action is restored and the signal
+    sent again (SIGTERM ends the process, as it would have); an ignored signal stays so."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
 class StopOnSignal(Callback):
     """On SIGTERM or SIGINT (Ctrl-C), stop at an optimizer step with a resumable checkpoint.
 
@@ -179,6 +195,9 @@ class StopOnSignal(Callback):
 
     Lightning's SIGTERM handling stops at the next micro-batch, without a checkpoint and
     with exit code 0, and Ctrl-C saves nothing; this replaces both while training runs.
+    What the signal does after the save is the caller's (`gptmini.train.command.fit`):
+    train.py exits with the code; a program that trains inside itself gets its signal back
+    (`hand_on`).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -283,10 +302,13 @@ class SampleCallback(EveryNSteps):
             self.prompt = corpus_prompt(trainer, 8, SHAKESPEARE_PROMPT)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: GPTLitModule, *args):
-        if not self.due(trainer, pl_module):
+        # A sharded model's every forward gathers from all ranks: they all sample alike.
+        if not self.due(trainer, pl_module, every_rank=is_sharded_run(pl_module.model)):
             return
         step = trainer.global_step
         text = sample_text(pl_module, self.prompt, self.max_new_tokens)
+        if not trainer.is_global_zero:
+            return
         print(f"\n[step {step}] {text!r}", flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -349,6 +371,10 @@ class AttentionMapCallback(EveryNSteps):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule):
         if self._disabled or not trainer.is_global_zero:
             return
+        if is_sharded_run(pl_module.model):
+            return self._disable("a sharded model (--trainer.strategy fsdp2) has its weights "
+                                 "on every rank, and the maps are drawn on one; draw them "
+                                 "from a checkpoint with visualize.py")
         if self.asked is None:
             self.prompt = corpus_prompt(trainer, 12, self.SHAKESPEARE)
         try:

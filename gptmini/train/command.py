@@ -48,6 +48,7 @@ from gptmini.train.callbacks import (
     StopOnSignal,
     StoppedAtOnce,
     ValidateFinalWeights,
+    hand_on,
 )
 from gptmini.train.lightning_internals import option_strings
 from gptmini.train.loggers import make_loggers
@@ -56,6 +57,7 @@ from gptmini.train.plan import plan_run
 from gptmini.train.progress import progress_bar
 from gptmini.train.report import RunReport
 from gptmini.train.run_lock import is_first_process, run_lock
+from gptmini.train.sharding import FSDP1_REFUSED, FSDP2Strategy
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "shakespeare-cpu.yaml"
 """The default run: `python train.py` trains it, and flags alone apply on top of it."""
@@ -92,11 +94,18 @@ class GPTTrainer(Trainer):
             precision: "auto" (bf16-mixed where the CPU or GPU has bf16 units, else
                 32-true; a resumed run keeps its checkpoint's), or any of Lightning's:
                 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true.
+            strategy: Lightning's (ddp, ...), or "fsdp2": every weight, gradient and
+                optimizer state sharded across all ranks (gptmini.train.sharding).
         """
         if precision == AUTO:
             raise ValueError("precision 'auto' is decided by train.py's plan of the run "
                              "(gptmini.train.plan.plan_precision); give the Trainer one of "
                              "Lightning's, e.g. 32-true or bf16-mixed")
+        strategy = kwargs.get("strategy")
+        if strategy == "fsdp2":
+            kwargs["strategy"] = FSDP2Strategy()
+        elif isinstance(strategy, str) and strategy.startswith("fsdp"):
+            raise ValueError(FSDP1_REFUSED.format(name=strategy))
         super().__init__(precision=precision, **kwargs)
 
 
@@ -374,23 +383,51 @@ def build_cli(args: list[str] | None = None) -> GPTCLI:
     )
 
 
-def fit(cli: GPTCLI):
+def fit(cli: GPTCLI, *, own_signals: bool = False):
     """Train, resuming from --ckpt_path when given; refuse to write over another run.
+
+    A SIGINT (Ctrl-C) or SIGTERM stops the run at a step with a checkpoint (StopOnSignal).
+    Then, unless the process is train.py's (`own_signals`: it exits with 128 + the number),
+    the signal goes on to the handler the caller had (`hand_on`): a test runner or a
+    notebook that trains inside itself gets its KeyboardInterrupt, and a SIGTERM ends the
+    process, so a second Ctrl-C under pytest is never swallowed by the next test's run.
 
     Raises:
         RunInterrupted: a signal stopped the run after saving a resumable checkpoint.
+        StoppedAtOnce: a second signal stopped it without saving.
         RunInUse: another live train.py holds the run directory (see gptmini.train.run_lock).
     """
-    with run_lock(run_dir(cli), enabled=is_first_process()):
-        _fit(cli)
+    callers = {s: signal.getsignal(s) for s in StopOnSignal.SIGNALS}
+    try:
+        with run_lock(run_dir(cli), enabled=is_first_process()):
+            _fit(cli)
+    except (RunInterrupted, StoppedAtOnce) as stop:
+        if not own_signals:
+            hand_on(stop.signum, callers[stop.signum])
+        raise
+    except SIGTERMException:  # Lightning's, before training began
+        if not own_signals:
+            hand_on(signal.SIGTERM, callers[signal.SIGTERM])
+        raise
+    except SystemExit as ending:
+        # Lightning ends a KeyboardInterrupt (a Ctrl-C before StopOnSignal's handler is in:
+        # setup, compiling) with sys.exit(1), leaving SIGINT ignored for the rest of the
+        # process (lightning/pytorch/trainer/call.py): give the caller its Ctrl-C back.
+        interrupt = ending.__context__
+        if not isinstance(interrupt, KeyboardInterrupt):
+            raise
+        signal.signal(signal.SIGINT, callers[signal.SIGINT])
+        if own_signals:
+            raise
+        raise interrupt from None
 
 
 def _fit(cli: GPTCLI):
     ckpt, checkpoints = cli.config.ckpt_path, run_dir(cli) / "checkpoints"
-    if ckpt == "last" and not (checkpoints / "last.ckpt").is_file():
+    if ckpt == "last" and not (checkpoints / "last.ckpt").exists():  # sharded: a directory
         print(f"no last.ckpt for run {cli.config.run_name!r} yet; starting from scratch")
         ckpt = None
-    elif ckpt is not None and ckpt != "last" and not Path(ckpt).is_file():
+    elif ckpt is not None and ckpt != "last" and not Path(ckpt).exists():
         raise FileNotFoundError(f"--ckpt_path {ckpt} does not exist; use 'last' or a .ckpt file")
     if ckpt is not None:
         check_resumable(checkpoints / "last.ckpt" if ckpt == "last" else Path(ckpt))
@@ -412,7 +449,8 @@ def check_resumable(path: Path) -> None:
         ValueError: naming the file (and the tensors that are not finite).
     """
     check_readable(path)
-    state = read_checkpoint(path, "cpu", mmap=True)
+    # a sharded checkpoint's weights are read when it loads (a run saves no NaN weights)
+    state = read_checkpoint(path, "cpu", mmap=True, weights=False)
     weights = state.get("state_dict") if isinstance(state, dict) else None
     if isinstance(weights, dict):
         check_finite({k: v for k, v in weights.items() if k.startswith(MODEL_PREFIX)},
@@ -438,7 +476,8 @@ def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
             f"({', '.join(existing)}), which a new run would overwrite")
     try:
         saved = read_checkpoint(checkpoints / ("last.ckpt" if "last.ckpt" in existing
-                                               else existing[0]), "cpu", mmap=True)
+                                               else existing[0]), "cpu", mmap=True,
+                                weights=False)
         trained_on = saved["datamodule_hyper_parameters"]["source"]
     except (ValueError, OSError, KeyError, TypeError):
         trained_on = ...  # unreadable or older: no corpus to compare
@@ -489,14 +528,16 @@ def check_accumulation(trainer: Trainer) -> None:
         )
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None, *, own_signals: bool = False) -> int:
     """Run training from the command line (or from `args`); returns the exit code.
 
     Errors a user can fix print one line instead of a traceback; set GPTMINI_TRACEBACK=1
-    to see the traceback anyway. A run stopped by a signal returns 128 + its number.
+    to see the traceback anyway. A run stopped by a signal returns 128 + its number when
+    the process is train.py's (`own_signals`); called from another program, the signal goes
+    on to that program's handler after the save (see `fit`).
     """
     try:
-        fit(build_cli(args))
+        fit(build_cli(args), own_signals=own_signals)
     except (RunInterrupted, StoppedAtOnce) as stop:
         print(f"train.py: {stop}", file=sys.stderr)
         return stop.exit_code

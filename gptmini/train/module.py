@@ -13,7 +13,6 @@ import lightning as L
 import tiktoken
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from gptmini.chat import ChatTemplate
 from gptmini.checkpoint import model_config, write_model_entries
@@ -25,8 +24,9 @@ from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
-from gptmini.train.optim import apply_changed_settings, check_optimization, configure
+from gptmini.train.optim import apply_changed_settings, check_optimization, configure, warmup_for
 from gptmini.train.rng import every_rank_states, restore_rank_states
+from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
 from gptmini.train.steps import OptimizerSteps, SkippedSteps, Throughput, clip_gradients
 from gptmini.train.tasks import GRPOSettings, task_for
@@ -149,13 +149,22 @@ class GPTLitModule(L.LightningModule):
     # --- setup ------------------------------------------------------------------------
 
     def configure_model(self):
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            strategy = None
+        if isinstance(strategy, FSDP2Strategy):  # each block compiled, then sharded
+            if not is_sharded_run(self.model):
+                compile = self.hparams.compile and self.can_compile()
+                shard_model(self.model, strategy.mesh, str(self.trainer.precision), compile)
+            return
         if self.hparams.compile:
             self.compile_model()
 
-    def compile_model(self) -> None:
-        """Compile the model in place (parameter names, hence checkpoints, do not change),
-        for the device it will train on: Lightning calls `configure_model` before moving
-        the model there. Where compiling cannot work, say why and train eagerly."""
+    def can_compile(self) -> bool:
+        """Whether torch.compile can work on the device the model will train on (Lightning
+        calls `configure_model` before moving the model there); if not, say why: the run
+        trains eagerly."""
         try:
             device = self.trainer.strategy.root_device
         except RuntimeError:  # not attached to a Trainer
@@ -163,9 +172,14 @@ class GPTLitModule(L.LightningModule):
         blocker = compile_blocker(device)
         if blocker is not None:  # the default run compiles: a newcomer's laptop still trains
             warnings.warn(f"{blocker}; training eagerly instead (the same model, slower)",
-                          stacklevel=2)
-            return
-        self.model.compile()
+                          stacklevel=3)
+        return blocker is None
+
+    def compile_model(self) -> None:
+        """Compile the model in place (parameter names, hence checkpoints, do not change),
+        where it can be compiled (`can_compile`)."""
+        if self.can_compile():
+            self.model.compile()
 
     def setup(self, stage: str):
         if stage == "fit" and self.trainer.world_size > 1:
@@ -199,6 +213,7 @@ class GPTLitModule(L.LightningModule):
         return self.model(in_idx)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
+        self.throughput.count(self.task.tokens(batch))
         loss, metrics = self.task.loss(self.model, batch)
         for name, value in metrics.items():  # tensors: logged without waiting on the device
             self.log(f"train/{name}", value)
@@ -222,7 +237,7 @@ class GPTLitModule(L.LightningModule):
         # One pass measures the norm (logged) and clips by it; a step that is not finite is
         # skipped on the device and reported at the next check, nothing waiting on it.
         norm = clip_gradients(list(self.parameters()), gradient_clip_val,
-                              gradient_clip_algorithm, self.trainer.strategy.model)
+                              gradient_clip_algorithm)
         self.log("train/grad_norm", norm)
         self.skipped_steps.skip_if_not_finite(optimizer, norm, self.global_step,
                                               str(self.trainer.precision))
@@ -241,17 +256,24 @@ class GPTLitModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int):
         self.optimizer_steps.batch_started(self.trainer)
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return  # Lightning writes the logs at these same steps
+        # Throughput over the logging interval (data wait, forward, backward, optimizer),
+        # and the rate this step used. Logged here, not at the batch's end, because the
+        # callbacks' on_train_batch_end (the progress bar's) runs before the module's: the
+        # bar showed the previous interval's tokens/s.
+        for name, value in self.throughput.window(self.trainer.world_size).items():
+            self.log(f"train/{name}", value)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int):
-        self.throughput.count(self.task.tokens(batch))
         if not self.optimizer_steps.stepped(self.trainer):
             return  # inside a gradient accumulation
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return  # Lightning writes the logs at these same steps
         self.skipped_steps.raise_if_any(self.global_step)
-        # Throughput over the logging interval (data wait, forward, backward, optimizer).
-        for name, value in self.throughput.window(self.trainer.world_size).items():
-            self.log(f"train/{name}", value)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
 
     def on_validation_end(self):
         self.throughput.restart()  # validation time is not training throughput
@@ -276,7 +298,7 @@ class GPTLitModule(L.LightningModule):
         check_same_model(checkpoint, self.cfg)
         total = self._total_steps()
         apply_changed_settings(checkpoint, self.hparams, total_steps=total,
-                               warmup_steps=min(self.hparams.warmup_steps, total),
+                               warmup_steps=warmup_for(self.hparams.warmup_steps, total),
                                announce=self.trainer is not None and self.trainer.is_global_zero)
         self._rng_to_restore = checkpoint.get("rng_states")
 
@@ -284,10 +306,8 @@ class GPTLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         name = self.weights.optimizer(self.hparams.optimizer, say=self._say)
-        sharded = name == "muon" and isinstance(self.trainer.strategy.model,
-                                                FullyShardedDataParallel)
         return configure(self.model, self.hparams, name=name, device=self.device,
-                         sharded=sharded, total_steps=self._total_steps())
+                         total_steps=self._total_steps(), say=self._say)
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:

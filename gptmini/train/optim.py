@@ -7,19 +7,20 @@ model's shape is not one of those, and a resume may not change it.
 """
 
 import math
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from gptmini.model import is_finite_number
 
 __all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIELDS", "OPTIMIZERS",
            "SETTINGS", "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings",
            "check_muon_settings", "check_optimization", "check_optimizer", "check_settings",
-           "configure", "lr_factor",
-           "make_optimizer", "muon_adamw", "muon_class", "orthogonalize", "warmup_cosine"]
+           "configure", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
+           "orthogonalize", "sharded_orthogonalize", "skips_on_device", "warmup_cosine",
+           "warmup_for"]
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
@@ -101,6 +102,13 @@ def adamw(params: Iterable[nn.Parameter], *, learning_rate: float, weight_decay:
                              fused=device.type in ("cuda", "cpu"))
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips a step on the device when its `found_inf` is nonzero (what a
+    grad scaler sets): torch's fused optimizers, and MuonAdamW with fused AdamW."""
+    own = getattr(optimizer, "skips_on_device", None)
+    return bool(own if own is not None else optimizer.defaults.get("fused"))
+
+
 def muon_class() -> type[torch.optim.Optimizer]:
     """`torch.optim.Muon`, or a clear error naming the torch that ships it."""
     muon = getattr(torch.optim, "Muon", None)
@@ -121,6 +129,14 @@ class BatchedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     The default run's 28 matrices are 2 shapes (256 x 256, and 256 x 704 with the 704 x 256
     ones transposed): 30 batched matmuls a step where torch calls 420 one by one
     (`bench/speedrun.py --step_cost` prints what each costs).
+
+    Sharded parameters (FSDP2's DTensors, rows split across the ranks of a 1-D mesh) are
+    orthogonalized whole: each matrix has one owner rank, which receives the other ranks'
+    rows, orthogonalizes the whole matrix and sends each rank its rows of the update back
+    (two all-to-alls per shape; `sharded_orthogonalize`). The momentum stays in shards.
+
+    A step whose `found_inf` (a 0-d tensor, set as for fused AdamW) is nonzero changes
+    neither the weights nor the momentum, decided on the device: nothing waits for it.
     """
 
     def __init__(self, params, **kwargs):
@@ -133,30 +149,125 @@ class BatchedMuon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else _local(found_inf) == 0
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, keep)
         return loss
 
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, group: dict, keep: torch.Tensor | None) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         momentum, lr = group["momentum"], group["lr"]
-        by_shape: dict[tuple[int, int], list[int]] = {}
         updates = []
-        for i, p in enumerate(params):  # torch's momentum, Nesterov or not
+        for p in params:  # torch's momentum, Nesterov or not, on this rank's rows
             buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-            buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            updates.append(update.mT if update.size(0) > update.size(1) else update)  # wide
-            by_shape.setdefault(tuple(updates[-1].shape), []).append(i)
-        for indices in by_shape.values():
-            stack = torch.stack([updates[i] for i in indices])  # (k, short, long)
-            done = orthogonalize(stack, group["ns_coefficients"], group["ns_steps"],
-                                 group["eps"])
-            for i, update in zip(indices, done.unbind(), strict=True):
-                p = params[i]
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.mT if p.size(0) > p.size(1) else update,
-                       alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            grad, buf = _local(p.grad), _local(buf)
+            new_buf = buf.lerp(grad, 1 - momentum)
+            buf.copy_(new_buf if keep is None else torch.where(keep, new_buf, buf))
+            updates.append(grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf)
+        if any(isinstance(p, DTensor) for p in params):
+            done = sharded_orthogonalize(params, updates, group["ns_coefficients"],
+                                         group["ns_steps"], group["eps"])
+        else:
+            done = _stacked_orthogonalize(updates, group["ns_coefficients"], group["ns_steps"],
+                                          group["eps"])
+        for p, update in zip(params, done, strict=True):
+            weights = _local(p)
+            new = weights if keep is None else weights.clone()
+            new.mul_(1 - lr * group["weight_decay"])
+            new.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            if keep is not None:
+                weights.copy_(torch.where(keep, new, weights))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its storage: in-place changes are the DTensor's), or
+    the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _wide(matrix: torch.Tensor) -> torch.Tensor:
+    return matrix.mT if matrix.size(-2) > matrix.size(-1) else matrix
+
+
+def _stacked_orthogonalize(updates: list[torch.Tensor], coefficients, steps: int,
+                           eps: float) -> list[torch.Tensor]:
+    """`orthogonalize` of whole matrices, the same wide shapes stacked into one call (a tall
+    matrix is orthogonalized as its transpose); each returned in its own orientation."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, update in enumerate(updates):
+        by_shape.setdefault(tuple(_wide(update).shape), []).append(i)
+    done: list[torch.Tensor] = [updates[0]] * len(updates)
+    for indices in by_shape.values():
+        stack = torch.stack([_wide(updates[i]) for i in indices])  # (k, short, long)
+        for i, result in zip(indices, orthogonalize(stack, coefficients, steps, eps).unbind(),
+                             strict=True):
+            done[i] = result.mT if result.shape != updates[i].shape else result
+    return done
+
+
+def sharded_orthogonalize(params: list[torch.Tensor], updates: list[torch.Tensor],
+                          coefficients: str | tuple = "jordan", steps: int = 5,
+                          eps: float = 1e-7) -> list[torch.Tensor]:
+    """`orthogonalize` of whole matrices that FSDP2 shards by rows, each done once.
+
+    The k matrices of one shape get owners in blocks (matrix j: rank j // ceil(k / W) of W
+    ranks). One all-to-all brings every owner the rows of its matrices; it orthogonalizes
+    them stacked, and a second all-to-all returns every rank its rows of each update. bf16
+    both ways: `orthogonalize` rounds its input to bf16 first and returns bf16, so the
+    result is the unsharded one (nanochat's and torchtitan's dion Muon do the same rounds
+    with reduce-scatter / all-gather around the DDP gradient reduction).
+
+    Args:
+        params: DTensors placed Shard(0) on one 1-D mesh (fully_shard's layout).
+        updates: this rank's rows of each parameter's update, in `params`' order.
+
+    Returns:
+        This rank's rows of each orthogonalized update (bf16), in `params`' order.
+    """
+    mesh = params[0].device_mesh
+    if mesh.ndim != 1 or any(not isinstance(p, DTensor) or p.device_mesh != mesh
+                             or p.placements != (Shard(0),) for p in params):
+        raise ValueError("model.optimizer=muon under sharding needs every matrix sharded by "
+                         "rows on one 1-D mesh (fully_shard's layout, --trainer.strategy "
+                         "fsdp2); tensor or 2-D parallel layouts are not supported: use "
+                         "--model.optimizer adamw")
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(params):
+        by_shape.setdefault(tuple(p.shape), []).append(i)
+    done: list[torch.Tensor] = [updates[0]] * len(updates)
+    for (rows, cols), indices in by_shape.items():
+        results = _owners_orthogonalize([updates[i] for i in indices], rows, cols, mesh,
+                                        (coefficients, steps, eps))
+        for i, result in zip(indices, results, strict=True):
+            done[i] = result
+    return done
+
+
+def _owners_orthogonalize(shards: list[torch.Tensor], rows: int, cols: int, mesh,
+                          settings: tuple) -> list[torch.Tensor]:
+    """The k same-shape matrices whose rows `shards` are: owners orthogonalize, all-to-all
+    in and out (see `sharded_orthogonalize`)."""
+    world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    per_owner, chunk = -(-len(shards) // world), -(-rows // world)  # ceil: torch.chunk's rows
+    # (owner, slot, chunk rows, cols): an owner's slot s is matrix owner * per_owner + s
+    outgoing = shards[0].new_zeros(world, per_owner, chunk, cols, dtype=torch.bfloat16)
+    for j, shard in enumerate(shards):
+        outgoing[j // per_owner, j % per_owner, :shard.size(0)] = shard
+    incoming = torch.empty_like(outgoing)  # (sender, slot, chunk rows, cols)
+    torch.distributed.all_to_all_single(incoming, outgoing, group=group)
+    whole = incoming.transpose(0, 1).reshape(per_owner, world * chunk, cols)
+    owned = max(0, min(per_owner, len(shards) - rank * per_owner))
+    if owned:  # the padding rows beyond `rows` are left out, and padding matrices
+        mine = whole[:owned, :rows]  # stacked wide, as `_stacked_orthogonalize` stacks them
+        result = orthogonalize(_wide(mine).contiguous(), *settings)
+        whole[:owned, :rows] = result.mT if result.shape != mine.shape else result
+    whole[owned:] = 0
+    outgoing = whole.reshape(per_owner, world, chunk, cols).transpose(0, 1).contiguous()
+    returned = torch.empty_like(outgoing)  # (owner, slot, ...); `outgoing` may alias incoming
+    torch.distributed.all_to_all_single(returned, outgoing, group=group)
+    return [returned[j // per_owner, j % per_owner, :shard.size(0)]
+            for j, shard in enumerate(shards)]
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -177,9 +288,9 @@ class MuonAdamW(torch.optim.Optimizer):
     scheduler (each group keeps its own base rate), gradient clipping, accumulation,
     checkpoints and the non-finite skip work as they do for AdamW. The param groups are
     AdamW's (decayed, plain) then Muon's, shared with the two inner optimizers, as is the
-    state, so `state_dict` has the usual layout. Muon cannot skip a step on the device: a
-    non-finite step is skipped by clearing the gradients, which reads one flag off the
-    device per step (free on a CPU).
+    state, so `state_dict` has the usual layout. A nonzero `found_inf` (0-d, set before
+    `step` as for fused AdamW) skips the whole step on the device, nothing waiting for it
+    (a GPU sync each step cost the default run its overlap: tests/test_gpu.py).
     """
 
     def __init__(self, adamw_groups: list[dict], muon_params: list[nn.Parameter], *,
@@ -217,9 +328,21 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not self.skips_on_device:  # torch's own Muon, or mps
+            if bool(found_inf):
+                return loss
+            found_inf = None
+        self.adamw.found_inf = self.muon.found_inf = found_inf
         self.adamw.step()
         self.muon.step()
         return loss
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a nonzero `found_inf` skips the step without the host waiting: with fused
+        AdamW and `BatchedMuon`."""
+        return bool(self.adamw.defaults.get("fused")) and isinstance(self.muon, BatchedMuon)
 
 
 def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: float,
@@ -304,15 +427,12 @@ def check_optimizer(name: str) -> None:
 
 def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
                    muon_learning_rate: float, weight_decay: float, betas: tuple[float, float],
-                   device: torch.device, sharded: bool = False, muon_ns_steps: int = 5,
+                   device: torch.device, muon_ns_steps: int = 5,
                    muon_ns_coefficients: str = "jordan") -> torch.optim.Optimizer:
     """`adamw` over all of `model`, or `muon_adamw` (`name` one of OPTIMIZERS, with
-    `muon_ns_steps` and `muon_ns_coefficients`); `sharded`: the model's parameters are FSDP
-    shards, which Muon cannot orthogonalize."""
+    `muon_ns_steps` and `muon_ns_coefficients`). `model`'s parameters may be FSDP2 shards
+    (DTensors): Muon then orthogonalizes whole matrices (`sharded_orthogonalize`)."""
     check_optimizer(name)
-    if name == "muon" and sharded:
-        raise ValueError("model.optimizer=muon orthogonalizes whole matrices and FSDP shards "
-                         "them: use --trainer.strategy ddp, or --model.optimizer adamw")
     if name == "muon":
         return muon_adamw(model, learning_rate=learning_rate,
                           muon_learning_rate=muon_learning_rate, weight_decay=weight_decay,
@@ -322,24 +442,38 @@ def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
                  betas=betas, device=device)
 
 
-def configure(model: nn.Module, settings, *, name: str, device: torch.device, sharded: bool,
-              total_steps: int) -> dict:
+def configure(model: nn.Module, settings, *, name: str, device: torch.device,
+              total_steps: int, say: Callable[[str], None] = print) -> dict:
     """The optimizer `name` and its warmup-cosine schedule, as Lightning's
     `configure_optimizers` returns them, from a module's hyperparameters (`settings`: the
-    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio)."""
+    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio).
+    A warm-up cut to half the run (`warmup_for`) is said through `say`, naming the flags."""
     optimizer = make_optimizer(model, name, learning_rate=settings.learning_rate,
                                muon_learning_rate=settings.muon_learning_rate,
                                weight_decay=settings.weight_decay,
                                betas=(settings.beta1, settings.beta2), device=device,
-                               sharded=sharded,
                                muon_ns_steps=settings.get("muon_ns_steps", 5),
                                muon_ns_coefficients=settings.get("muon_ns_coefficients",
                                                                  "jordan"))
-    schedule = warmup_cosine(optimizer, warmup_steps=min(settings.warmup_steps, total_steps),
-                             total_steps=total_steps, min_ratio=settings.min_lr_ratio,
-                             asked_warmup=settings.warmup_steps)
+    warmup = warmup_for(settings.warmup_steps, total_steps)
+    if warmup < settings.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
+        say(f"--model.warmup_steps {settings.warmup_steps} is more than half of this run's "
+            f"{total_steps} optimizer steps (--trainer.max_steps or --trainer.max_epochs): "
+            f"warming up over {warmup} and decaying over the other {total_steps - warmup}, so "
+            f"the run still ends at the low rate; give --model.warmup_steps {warmup} or "
+            "less to choose yourself")
+    schedule = warmup_cosine(optimizer, warmup_steps=warmup, total_steps=total_steps,
+                             min_ratio=settings.min_lr_ratio)
     return {"optimizer": optimizer,
             "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
+
+
+def warmup_for(asked: int, total_steps: int) -> int:
+    """The warm-up a run of `total_steps` optimizer steps gets: the `asked` one, at most half
+    the run. A run shorter than its warm-up (train.py's `--trainer.max_steps 100` under the
+    default's 100 warm-up steps) would otherwise end at the peak rate without decaying; every
+    shipped recipe asks for well under half, so it keeps its own. Resume computes the same."""
+    return min(asked, total_steps // 2)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -351,16 +485,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                  min_ratio: float, asked_warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """`lr_factor` as a scheduler stepped once per optimizer step; warns when the run is
-    shorter than the warmup it asked for (`asked_warmup`). Every param group follows it
-    from its own base rate (Muon's and AdamW's)."""
-    if warmup_steps < asked_warmup:  # a short trial run (fast_dev_run, a few max_steps)
-        warnings.warn(
-            f"model.warmup_steps={asked_warmup} is longer than the run ({total_steps} "
-            f"optimizer steps); warming up over all {total_steps} instead",
-            stacklevel=3,
-        )
+                  min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_factor` as a scheduler stepped once per optimizer step. Every param group follows
+    it from its own base rate (Muon's and AdamW's)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, min_ratio))
 

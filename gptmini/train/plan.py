@@ -116,8 +116,8 @@ def resumed_checkpoint(ckpt_path: str | None, run: Path) -> dict:
     if ckpt_path is None:
         return {}
     path = run / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    try:
-        return read_checkpoint(path, "cpu", mmap=True)
+    try:  # a sharded checkpoint's meta.pt alone: its shards load when the run resumes
+        return read_checkpoint(path, "cpu", mmap=True, weights=False)
     except (ValueError, FileNotFoundError):
         return {}
 

@@ -69,7 +69,8 @@ class RunReport(Callback):
             run_name=self.run_dir.name, steps=trainer.global_step, first_step=self._first_step,
             seconds=self._seconds, tokens=self._tokens, metrics=metrics,
             val_batches=trainer.limit_val_batches, checkpoints=self.run_dir / "checkpoints",
-            curves=curves, prompt=self.prompt)
+            curves=curves, prompt=self.prompt,
+            generates_text=pl_module.task.generates_text)
         print(text, flush=True)
         try:  # the checkpoints are saved: a report that cannot be written must not fail the run
             (self.run_dir / "report.txt").write_text(text + "\n")
@@ -79,7 +80,7 @@ class RunReport(Callback):
 
 HEADLINES = (("val/loss", "loss", min), ("val/pass_at_1", "pass@1", max))
 """What picks a run's best validation: the lowest loss, or an RL run's highest pass@1."""
-SHOWN = (("val/bpb", "bpb"), ("val/acc", "accuracy"), ("val/accuracy", "accuracy"),
+SHOWN = (("val/bpb", "bpb"), ("val/acc", "acc"), ("val/accuracy", "accuracy"),
          ("val/margin", "margin"))
 """Validation metrics shown beside it when the run logged them (language modelling's
 bits per byte, a classifier's accuracy, DPO's preference accuracy and margin)."""
@@ -87,8 +88,10 @@ bits per byte, a classifier's accuracy, DPO's preference accuracy and margin).""
 
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
                   metrics: dict, val_batches: int | float, checkpoints: Path,
-                  curves: Path | str, prompt: str = "ROMEO:") -> str:
-    """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values)."""
+                  curves: Path | str, prompt: str = "ROMEO:", generates_text: bool = True) -> str:
+    """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values).
+    `generates_text`: the model writes text, so the next commands are generate.py and
+    serve.py beside evaluate.py; a classifier's are evaluate.py's (accuracy, confusion)."""
     session = f" (steps {first_step:,} to {steps:,} in this session)" if first_step else ""
     rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
     lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
@@ -112,17 +115,20 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
     else:
         lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")
     last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
-    lines.append(f"checkpoints  {last}" + (f", {best}" if (checkpoints / "best.ckpt").is_file()
-                                           else ""))
+    saved_best = (checkpoints / "best.ckpt").exists()  # a sharded one is a directory
+    lines.append(f"checkpoints  {last}" + (f", {best}" if saved_best else ""))
     lines.append(f"curves       {_shown(curves) if isinstance(curves, Path) else curves}")
     python = _python()
-    chosen = best if (checkpoints / "best.ckpt").is_file() else last
-    lines += [
-        "next",
-        f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",
-        f"  {python} serve.py --checkpoint {last}",
-        f"  {python} evaluate.py --checkpoint {chosen}",
-    ]
+    chosen = best if saved_best else last
+    lines.append("next")
+    if generates_text:
+        lines += [f"  {python} generate.py --checkpoint {last} --prompt {_quote(prompt)} --stream",
+                  f"  {python} serve.py --checkpoint {last}",
+                  f"  {python} evaluate.py --checkpoint {chosen}"]
+    else:  # accuracy and the confusion table, on the run's validation split or a file's
+        lines += [f"  {python} evaluate.py --checkpoint {chosen}",
+                  f"  {python} evaluate.py --checkpoint {chosen} --data LABELLED.csv "
+                  "--text_field text --label_field label"]
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import tiktoken
 from gptmini.chat import ChatTemplate, directory_template
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
+    is_sharded,
     load_checkpoint,
     model_config,
     model_source,
@@ -54,10 +55,10 @@ class Source:
             FileNotFoundError: nothing there. ValueError: not a model gptmini reads.
         """
         config, tokenizer = model_source(path)
-        if Path(path).is_dir():
+        if Path(path).is_dir() and not is_sharded(path):  # a Hugging Face directory
             template = directory_template(path, tokenizer)
         else:
-            entry = read_checkpoint(path, "cpu", mmap=True).get("chat_template")
+            entry = read_checkpoint(path, "cpu", mmap=True, weights=False).get("chat_template")
             template = ChatTemplate.from_dict(entry) if entry else None
         return cls(str(path), config, tokenizer, template)
 
@@ -116,9 +117,10 @@ def load_weights(path: str, model: GPTModel, *, fresh: set[str], grow: bool = Tr
 def architecture_differences(source: GPTConfig, cfg: GPTConfig) -> list[str]:
     """The GPTConfig fields where `cfg` contradicts the architecture of `source`: every field
     but CHANGEABLE_FIELDS, and a context_length past the source's. Spellings of the same
-    model agree (n_kv_heads None is n_heads, mlp_hidden_dim None its default width,
-    padded_vocab_size None is vocab_size)."""
+    model agree (n_kv_heads None is n_heads, head_dim None emb_dim / n_heads, mlp_hidden_dim
+    None its default width, padded_vocab_size None is vocab_size)."""
     same = {"n_kv_heads": lambda c: c.n_kv_heads or c.n_heads,
+            "head_dim": lambda c: c.head_size,
             "mlp_hidden_dim": lambda c: c.hidden_dim,
             "padded_vocab_size": lambda c: c.vocab_width}
     differ = [f for f in CONFIG_FIELDS if f not in CHANGEABLE_FIELDS

@@ -9,7 +9,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+from gptmini.train.optim import skips_on_device
 
 __all__ = ["OptimizerSteps", "SkippedSteps", "Throughput", "clip_gradients"]
 
@@ -79,15 +81,15 @@ class SkippedSteps:
         """A NaN or infinite loss or gradient (a NaN loss makes NaN gradients, hence a NaN
         `norm`) never updates the weights.
 
-        Fused AdamW skips its update on the device when `found_inf` is set (what a grad
-        scaler does), so nothing waits for the answer; the step is counted on the device
-        and reported at the next logging step or checkpoint save. fp16 mixed precision
+        Fused AdamW and MuonAdamW skip their update on the device when `found_inf` is set
+        (what a grad scaler does), so nothing waits for the answer; the step is counted on
+        the device and reported at the next logging step or checkpoint save. fp16 mixed precision
         overflows on purpose and its grad scaler skips those steps itself.
         """
         if precision == "16-mixed":
             return
         bad = ~torch.isfinite(norm)
-        if optimizer.defaults.get("fused"):
+        if skips_on_device(optimizer):  # fused AdamW, MuonAdamW
             optimizer.found_inf = bad.float()
         elif bool(bad):  # an optimizer without on-device skipping: wait, and skip here
             optimizer.zero_grad(set_to_none=True)
@@ -112,24 +114,21 @@ class SkippedSteps:
                 "--model.learning_rate: --ckpt_path last")
 
 
-def clip_gradients(parameters: Sequence[nn.Parameter], clip: float | None, algorithm: str | None,
-                   wrapped: nn.Module) -> Tensor:
+def clip_gradients(parameters: Sequence[nn.Parameter], clip: float | None,
+                   algorithm: str | None) -> Tensor:
     """Measure the gradients' norm in one pass and clip by it (Lightning's gradient_clip_val
     and gradient_clip_algorithm; None or 0 measures without clipping), without waiting on
-    the device; `wrapped` is the strategy's model (FSDP's norm spans every rank's shards).
+    the device. FSDP2's gradients are shards: the norm spans every rank's.
 
     Returns:
-        The norm before clipping, a 0-d tensor.
+        The norm before clipping, a 0-d tensor (whole, also under FSDP2).
     """
     if algorithm == "value":
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                     for g in grads]))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
         torch.nn.utils.clip_grad_value_(parameters, clip)
-        return norm
-    if isinstance(wrapped, FullyShardedDataParallel):
-        return wrapped.clip_grad_norm_(clip or math.inf)
-    return torch.nn.utils.clip_grad_norm_(parameters, clip or math.inf)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, clip or math.inf)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class Throughput:

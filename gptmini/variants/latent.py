@@ -281,7 +281,11 @@ class LatentAttention(TokenMixer):
                 ("attn_gate", cfg.attn_gate == "none", "it has no output gate yet: leave "
                  "attn_gate 'none'"),
                 ("layer_windows", cfg.layer_windows is None, "it has one window for every "
-                 "layer: use window_size, or leave layer_windows None")):
+                 "layer: use window_size, or leave layer_windows None"),
+                ("head_dim", cfg.head_dim is None, "its heads are sized by mla_qk_nope_head_dim, "
+                 "mla_qk_rope_head_dim and mla_v_head_dim: leave head_dim None"),
+                ("attn_scale_dim", cfg.attn_scale_dim is None, "it scales by its query's "
+                 "size: leave attn_scale_dim None")):
             if not fine:
                 raise ConfigError(field, getattr(cfg, field), "multi-head latent attention "
                                   f"(mla_kv_lora_rank) has this option of attention's: {fix}")

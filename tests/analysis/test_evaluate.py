@@ -282,3 +282,21 @@ def test_a_text_that_is_not_utf8_is_told_evaluates_own_flag(byte_checkpoint, tmp
     assert evaluate_main(["--checkpoint", str(byte_checkpoint), "--data",
                           str(tmp_path / "nope.txt")]) == 1
     assert "--data " in capsys.readouterr().err.splitlines()[-1]  # not train.py's flag
+
+
+@pytest.mark.parametrize("classes", [["comedy", "history", "poem", "tragedy"],
+                                     ["ham", "spam"], ["a-very-long-class-name", "b"]])
+def test_every_count_of_the_confusion_table_ends_under_its_class(classes):
+    """Before: the first column was sized to the class names, not to "true \\ predicted",
+    so the header slid 7 characters right of the counts beneath it."""
+    import re
+
+    from gptmini.analysis.evaluate import ClassScore
+
+    k = len(classes)
+    confusion = [[(i * 37 + j * 101) % 1000 for j in range(k)] for i in range(k)]
+    lines = ClassScore(0.5, confusion, classes).table().splitlines()
+    ends = [[m.end() for m in re.finditer(r"\S+", line)][-k:] for line in lines]
+    assert all(row == ends[0] for row in ends), "\n".join(lines)
+    assert [line.split()[-k:] for line in lines[1:]] == [[str(n) for n in row]
+                                                         for row in confusion]

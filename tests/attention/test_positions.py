@@ -142,7 +142,7 @@ def test_parameter_counts_of_the_options(tiny_config):
 @pytest.mark.parametrize(("fields", "match"), [
     ({"position": "sinusoidal"}, "position='sinusoidal' is invalid: use one of learned, rope"),
     ({"norm": "batchnorm"}, "use one of layernorm, rmsnorm"),
-    ({"mlp": "geglu"}, "use one of gelu, swiglu, relu2"),
+    ({"mlp": "reglu"}, "use one of gelu, swiglu, relu2, geglu"),
     ({"position": "rope", "emb_dim": 18, "n_heads": 2}, "odd"),
     ({"attn_softcap": 0}, "positive cap"),
 ])

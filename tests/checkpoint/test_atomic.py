@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HANG_SECONDS
 
 from gptmini.checkpoint.atomic import (
     AtomicCheckpointIO,
@@ -46,7 +47,7 @@ DIES = textwrap.dedent("""
 
 def die_while_saving(path: Path, how: str, n: int = 0) -> int:
     proc = subprocess.run([sys.executable, "-c", DIES, str(path), how, str(n)], cwd=REPO,
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=HANG_SECONDS)
     return proc.returncode
 
 

@@ -93,7 +93,10 @@ def test_metas_interleaved_rotation_is_ours_after_permuting_the_rows():
 
 
 def test_what_gptmini_cannot_load_is_named(tmp_path):
-    with pytest.raises(ValueError, match="rope scaling 'llama3'"):
+    with pytest.raises(ValueError, match="rope scaling 'longrope' in rope_scaling"):
+        config_from_llama({**LLAMA, "rope_scaling": {"rope_type": "longrope", "factor": 8.0}})
+    with pytest.raises(ValueError, match=r"Llama config cannot be loaded.*rope_scaling=.*llama3 "
+                                         r"scaling.*low_freq_factor, high_freq_factor missing"):
         config_from_llama({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="attention_bias/mlp_bias"):
         config_from_llama({**LLAMA, "attention_bias": True})

@@ -18,6 +18,9 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermedia
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 16}
 DEEPSEEK_V3 = {  # DeepSeek-V3's own config.json, its sizes and what gptmini cannot compute
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -61,12 +64,22 @@ CASES = {
     "linear scaling beside default rope_parameters": (
         {**LLAMA, "rope_parameters": DEFAULT_ROPE,
          "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-        r"rope scaling 'linear' in rope_scaling \(only plain rotary positions"),
+        r"rope_parameters and rope_scaling that disagree .*: keep one"),
     "a factor without a type": ({**LLAMA, "rope_scaling": {"factor": 2.0}},
                                 r"rope_scaling with factor=2.0 and rope_type None"),
-    "rope_parameters of another type": (
-        {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-        r"rope scaling 'yarn' in rope_parameters"),
+    "rope_parameters of a type gptmini does not compute": (
+        {**LLAMA, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+        r"rope scaling 'dynamic' in rope_parameters \(gptmini computes linear, llama3, yarn"),
+    "a partial rotary factor": (
+        {**LLAMA, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+        r"rope_parameters with partial_rotary_factor=0.5"),
+    "a yarn factor below 1": (
+        {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 0.5}},
+        r"rope_scaling=.*'yarn'.*factor is 0.5: .*factor of 1 or more"),
+    "llama3 with a setting it does not read": (
+        {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "beta_fast": 32}},
+        r"llama3 scaling reads .*; beta_fast is not one of them"),
     "rope_theta infinite": ({**LLAMA, "rope_theta": float("inf")},
                             r"'rope_theta' is inf; gptmini reads a finite positive number"),
     "two rope_theta": ({**LLAMA, "rope_parameters": {"rope_type": "default",
@@ -79,6 +92,18 @@ CASES = {
                                  r"GPTModel: first_k_dense_replace=3 below num_hidden_layers=61 "
                                  r"\(mixture-of-experts.*rope scaling 'yarn'.*"
                                  r"quant_method='fp8'"),
+    "Gemma 3 with an attention soft-cap": (
+        {**GEMMA3, "attn_logit_softcapping": 50.0},
+        r"this Gemma 3 config cannot be loaded.*attn_logit_softcapping=50.0 \(transformers' "
+        r"Gemma3 does not apply it"),
+    "Gemma 3 with scaled local layers": (
+        {**GEMMA3, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+        r"rope scaling 'yarn' on the sliding layers"),
+    "the multimodal Gemma 3": ({"model_type": "gemma3",
+                                "architectures": ["Gemma3ForConditionalGeneration"]},
+                               r"model_type='gemma3'.*does not read"),
     "only architectures, another one": ({"architectures": ["MistralForCausalLM"]},
                                         r"'MistralForCausalLM'.*does not read"),
     "model_type a list": ({**GPT2, "model_type": ["gpt2"]}, r"model_type=\['gpt2'\]"),
@@ -142,3 +167,30 @@ def test_the_default_rope_entries_transformers_writes_still_load():
     config = {**LLAMA, "rope_parameters": DEFAULT_ROPE, "rope_scaling": None}
     assert config_from_llama(config).rope_theta == 10000.0
     assert config_from_llama({**LLAMA, "rope_scaling": {"type": "default"}}).position == "rope"
+
+
+BOOK = {"vocab_size": 64, "context_length": 32, "emb_dim": 32, "n_heads": 4, "n_layers": 1,
+        "drop_rate": 0.0}
+LLAMA_OPTIONS = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+                 "norm_eps": 1e-6}
+EXPORT_CASES = {  # issue 45's options, each in a layout that has no place for it
+    "GPT-2 with heads of their own size": ({"head_dim": 16}, r"head_dim=16 \(heads of their"),
+    "GPT-2 with post-sublayer norms": ({"post_norms": True}, "post_norms=True"),
+    "GPT-2 with a soft-capped head": ({"logit_softcap": 30.0}, "logit_softcap=30.0"),
+    "Llama with scaled embeddings": ({**LLAMA_OPTIONS, "scale_embeddings": True},
+                                     "scale_embeddings=True"),
+    "Llama with a local rope base": ({**LLAMA_OPTIONS, "rope_local_theta": 1e4},
+                                     "rope_local_theta=10000.0"),
+    "Llama with a score scale": ({**LLAMA_OPTIONS, "attn_scale_dim": 16.0},
+                                 "attn_scale_dim=16.0"),
+    "DeepSeek-V3 with rope scaling": ({**LLAMA_OPTIONS, "mla_kv_lora_rank": 16,
+                                       "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                      "rope_scaling=.*'linear'"),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_CASES)
+def test_an_option_a_layout_has_no_place_for_is_named_on_export(tmp_path, case):
+    fields, match = EXPORT_CASES[case]
+    with pytest.raises(ValueError, match=match):
+        export_hf(GPTModel(GPTConfig(**{**BOOK, **fields})), tmp_path / "export")

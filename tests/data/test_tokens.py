@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import tiktoken
-from helpers import ENC, WORDS, joined, tokens_of, words
+from helpers import ENC, HANG_SECONDS, WORDS, joined, tokens_of, words
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,7 +171,7 @@ def test_a_50_mb_single_line_corpus_tokenizes_in_bounded_memory_to_the_same_ids(
     assert (tmp_path / "one_line.txt").stat().st_size > 50_000_000
     proc = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path / "one_line.txt"),
                            str(tmp_path / "cache")], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=HANG_SECONDS, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     grew, same = proc.stdout.split()
     assert same == "True"

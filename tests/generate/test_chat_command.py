@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import save_checkpoint, scripted_model
 
-from gptmini.chat import GPTMINI, add_template_tokens, render_chat
+from gptmini.chat import BOOK, GPTMINI, add_template_tokens, render_chat
 from gptmini.checkpoint import load_checkpoint
 from gptmini.generate.chat import ChatSession, chat_loop
 from gptmini.generate.command import generate_main
@@ -92,3 +92,29 @@ def test_chat_flags_are_checked(checkpoint, capsys, argv, message):
     with pytest.raises(SystemExit):
         generate_main(["--checkpoint", str(checkpoint), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_tuned_on_the_books_template_is_said_to_carry_it(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Before: a fine-tune on the book's records (its checkpoint carries the "book" template)
+    was said to have "no chat template of its own": the note went by the template's name."""
+    model = scripted_model(byte_tokenizer().n_vocab, {}, default=ord("x"))
+    path = save_checkpoint(model, tmp_path / "book.ckpt", "byte")
+    saved = torch.load(path, weights_only=False)
+    saved["chat_template"] = BOOK.to_dict()  # as train.py saves an instruction fine-tune
+    torch.save(saved, path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert generate_main(["--checkpoint", str(path), "--chat"]) == 0
+    err = capsys.readouterr().err
+    assert "chat template 'book' (the one this checkpoint was fine-tuned with)" in err
+    assert "no chat template of its own" not in err
+
+
+def test_a_pretrained_checkpoint_is_said_to_fall_back_to_the_books_prompt(tmp_path, monkeypatch,
+                                                                          capsys):
+    model = scripted_model(byte_tokenizer().n_vocab, {}, default=ord("x"))
+    path = save_checkpoint(model, tmp_path / "plain.ckpt", "byte")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert generate_main(["--checkpoint", str(path), "--chat"]) == 0
+    assert "'book' (the book's instruction prompt: this checkpoint has no chat template of " \
+           "its own" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPT, make_model, png_size, save_checkpoint, tiny
+from helpers import HANG_SECONDS, PROMPT, make_model, png_size, save_checkpoint, tiny
 
 from gptmini.analysis.visualize import visualize_main
 from gptmini.checkpoint import load_checkpoint
@@ -112,7 +112,7 @@ def test_generate_py_script_end_to_end(checkpoint):
     result = subprocess.run(
         [sys.executable, "generate.py", "--checkpoint", str(checkpoint), "--prompt", "ROMEO:",
          "--max_new_tokens", "5"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")

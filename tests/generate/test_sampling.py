@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from helpers import HANG_SECONDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -203,7 +204,7 @@ def test_a_new_sampling_option_is_one_edit_of_sampling_py(tmp_path):
     sampling.write_text(source[:line_end] + MIN_P_FILTER + source[line_end:])
     result = subprocess.run([sys.executable, "-c", USE_MIN_P, str(tmp_path)], cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(tmp_path)},
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -48,9 +48,12 @@ def counted_flops_per_token(cfg: GPTConfig, seq_len: int, backward: bool = True)
     {"mla_kv_lora_rank": 12, "position": "rope"},
     {"mla_kv_lora_rank": 12, "mla_q_lora_rank": 10, "mla_qk_nope_head_dim": 6,
      "mla_qk_rope_head_dim": 4, "mla_v_head_dim": 5, "position": "rope", "mlp": "swiglu"},
-], ids=["book", "gqa-gate-swiglu", "elementwise-gate", "mla", "mla-q-latent"])
+    # heads of their own size (36 wide together in a width of 16), Gemma's blocks
+    {"n_heads": 3, "head_dim": 12, "n_kv_heads": 1, "attn_gate": "elementwise",
+     "position": "rope", "mlp": "geglu", "post_norms": True, "norm": "rmsnorm1p"},
+], ids=["book", "gqa-gate-swiglu", "elementwise-gate", "mla", "mla-q-latent", "head-dim"])
 def test_attention_flops_equal_a_counted_training_step(options):
-    cfg = GPTConfig(**TINY, **options)
+    cfg = GPTConfig(**{**TINY, **options})
     assert flops_per_token(cfg, seq_len=96) == counted_flops_per_token(cfg, 96)
 
 

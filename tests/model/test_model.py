@@ -260,6 +260,9 @@ FLOAT_FIELDS = {  # every float setting of GPTConfig: a value in range, and wher
     "norm_eps": (1e-6, [0.0, -1e-5, 1.0, 1e300]),
     "rope_theta": (500000.0, [1.0, 0.5, -10000.0]),
     "attn_softcap": (30.0, [0.0, -5.0]),
+    "rope_local_theta": (10000.0, [1.0, 0.5, -5.0]),
+    "attn_scale_dim": (168.0, [0.0, -1.0]),
+    "logit_softcap": (30.0, [0.0, -5.0]),
 }
 NOT_FINITE = [float("nan"), float("inf"), float("-inf"), "0.1", True, [0.1]]
 

@@ -14,6 +14,7 @@ from gptmini.model import GPTModel
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from helpers import HANG_SECONDS  # noqa: E402
 from test_server import eventually  # noqa: E402
 
 from gptmini.serve.app import choice_seed  # noqa: E402
@@ -29,9 +30,9 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
 
     torch.manual_seed(0)
     checkpoint = save_checkpoint(GPTModel(tiny()).eval(), tmp_path / "tiny.ckpt")
-    server, url = start_serve_py(checkpoint, "--dtype", "float32")
+    server, url = start_serve_py(checkpoint, "--dtype", "float32", "--drain", str(HANG_SECONDS))
     try:
-        deadline = time.monotonic() + 300  # a hang guard, not a speed test
+        deadline = time.monotonic() + HANG_SECONDS  # a hang guard, not a speed test
         while True:
             assert server.poll() is None, server.stdout.read()
             assert time.monotonic() < deadline, "serve.py did not start"
@@ -53,7 +54,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tmp_path):
         usage = json.loads(rest[-2][6:])["usage"]
         last = json.loads(rest[-3][6:])["choices"][0]
         assert last["finish_reason"] == "length" and usage["completion_tokens"] == 1500
-        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert server.wait(timeout=HANG_SECONDS) in (0, -signal.SIGTERM)
     finally:
         server.kill()
         server.wait()
@@ -90,28 +91,30 @@ def test_sigterm_drains_eight_sampled_long_requests_to_their_natural_end(tmp_pat
     seeds = [i for i, r in enumerate(alone) if r.finish_reason == "stop"
              and 120 <= len(r.tokens)][:8]
     assert len(seeds) == 8
-    server, url = start_serve_py(checkpoint, "--dtype", "float64", "--drain", "60")
+    server, url = start_serve_py(checkpoint, "--dtype", "float64", "--drain", str(HANG_SECONDS))
     bodies = [{"prompt": f"Request {i}:", "max_tokens": 3000, "temperature": 0.7, "seed": i,
                "stream": k % 2 == 0} for k, i in enumerate(seeds)]
 
     def call(body):
         if not body["stream"]:
-            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_SECONDS).json()[
                 "choices"][0]["text"]
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=HANG_SECONDS) as answer:
             lines = [line for line in answer.iter_lines() if line]
         assert lines[-1] == "data: [DONE]", lines[-3:]
         return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
 
     try:
-        eventually(lambda: server.poll() is None and _healthy(url), 60, "serve.py did not start")
+        eventually(lambda: server.poll() is None and _healthy(url), HANG_SECONDS,
+                   "serve.py did not start")
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(call, body) for body in bodies]
-            eventually(lambda: httpx.get(f"{url}/health").json()["running"] == 8, 30,
+            eventually(lambda: httpx.get(f"{url}/health").json()["running"] == 8, HANG_SECONDS,
                        "the 8 requests did not all start")
             server.send_signal(signal.SIGTERM)
-            texts = [f.result(timeout=120) for f in futures]
-        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+            texts = [f.result(timeout=HANG_SECONDS) for f in futures]
+        assert server.wait(timeout=HANG_SECONDS) in (0, -signal.SIGTERM)
     finally:
         server.kill()
         log = server.communicate()[0]
@@ -151,12 +154,13 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
         body = {"prompt": [15496] * 120, "max_tokens": 3000, "temperature": 0.7, "stream": stream,
                 "stream_options": {"include_usage": True} if stream else None}
         if not stream:
-            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_SECONDS)
             if answer.status_code != 200:
                 return answer.status_code, answer.json()["error"]["message"], None
             found = answer.json()
             return 200, found["choices"][0]["finish_reason"], found["usage"]["completion_tokens"]
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=HANG_SECONDS) as answer:
             lines = [line for line in answer.iter_lines() if line]
         if "error" in (last := json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else {}):
             return answer.status_code, last["error"]["message"], None  # (an error event)
@@ -167,7 +171,7 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
 
     try:
         for url, server in servers.values():
-            eventually(lambda: server.poll() is not None or _healthy(url), 60,  # noqa: B023
+            eventually(lambda: server.poll() is not None or _healthy(url), HANG_SECONDS,  # noqa: B023
                        "serve.py did not start")
             assert server.poll() is None, server.communicate()[0]
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -177,13 +181,14 @@ def test_sigterm_answers_every_sampled_request_past_the_context(tmp_path):
                 # while); one of the "ends" model's may already have ended on a fast CPU
                 eventually(lambda: in_flight(url)  # noqa: B023
                            + sum(f.done() for f in futures[name]) == 8,  # noqa: B023
-                           30, "the 8 calls did not all start")
+                           HANG_SECONDS, "the 8 calls did not all start")
             time.sleep(0.3)
             for _, server in servers.values():
                 server.send_signal(signal.SIGTERM)
-            answers = {name: [f.result(timeout=120) for f in fs] for name, fs in futures.items()}
+            answers = {name: [f.result(timeout=HANG_SECONDS) for f in fs]
+                       for name, fs in futures.items()}
         for _, server in servers.values():
-            assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+            assert server.wait(timeout=HANG_SECONDS) in (0, -signal.SIGTERM)
     finally:
         logs = {}
         for name, (_, server) in servers.items():

@@ -19,7 +19,7 @@ playwright_api = pytest.importorskip("playwright.sync_api",
                                      reason="Playwright is missing: pip install playwright")
 
 import test_page  # noqa: E402
-from helpers import start_serve_py  # noqa: E402
+from helpers import HANG_SECONDS, start_serve_py  # noqa: E402
 from test_page import ENC, KEY, WINDOW, by_hand_first_layer  # noqa: E402
 
 from gptmini.serve.page import parameter_parts  # noqa: E402
@@ -40,6 +40,7 @@ def browser(tmp_path_factory):
         context = driver.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM,
             headless=True, args=ARGS, viewport={"width": 1400, "height": 1000})
+        context.set_default_timeout(HANG_SECONDS * 1000)  # Playwright's 30 s: a busy machine's
         yield context
         context.close()
 
@@ -292,7 +293,7 @@ def test_a_server_that_stops_mid_stream_leaves_a_message(endless, page):
     server, url = start_serve_py(endless, "--dtype", "float32",
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_SECONDS  # a hang guard
         while True:
             assert server.poll() is None and time.monotonic() < deadline, "serve.py did not start"
             try:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers import HANG_SECONDS
 from torch import nn
 
 from gptmini.testing.device import check_device
@@ -54,10 +55,10 @@ def test_a_wrong_gradient_is_found_in_the_backward_pass():
 def test_command_line_reports_and_refuses_a_missing_device():
     ok = subprocess.run([sys.executable, "-m", "gptmini.testing", "--device", "cpu", "--dtype",
                          "float32", "--backends", "sdpa"], capture_output=True, text=True,
-                        timeout=120)
+                        timeout=HANG_SECONDS)
     assert ok.returncode == 0 and "ok   float32   sdpa" in ok.stdout, ok.stderr
     missing = subprocess.run([sys.executable, "-m", "gptmini.testing", "--device", "nosuch"],
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=HANG_SECONDS)
     assert missing.returncode == 2 and "--device nosuch is not available" in missing.stderr
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import HANG_SECONDS
 from torch import nn
 
 from gptmini.attention import MultiHeadAttention, WindowKVCache
@@ -197,7 +198,7 @@ BUGS = {
 def test_each_bug_fails_the_property_it_breaks_with_the_smallest_input(bug):
     spec, properties, counterexample = BUGS[bug]
     target = reader(bug) if spec.causal else both_ways(bug)
-    report = check_attention(target, spec)
+    report = check_attention(target, spec, time_budget=None)
     failed = {r.name for r in report.failed}
     assert set(properties) <= failed, report
     assert report[properties[0]].detail.startswith(counterexample), report
@@ -207,7 +208,7 @@ def test_each_bug_fails_the_property_it_breaks_with_the_smallest_input(bug):
 
 
 def test_a_causality_leak_names_the_head_it_leaks_in():
-    report = check_attention(reader("head 1 unmasked"))
+    report = check_attention(reader("head 1 unmasked"), time_budget=None)
     assert report["causality"].detail.startswith(
         "length 2: changing token 1 moves the output at position 0, in head 1 by")
 
@@ -216,20 +217,21 @@ def test_a_wrong_kv_cache_is_caught():
     def forgets_the_past(module, x, state):  # attends over the new tokens only
         return module(x), state
 
-    report = check_attention(MultiHeadAttention, AttentionSpec(kv_step=forgets_the_past))
+    report = check_attention(MultiHeadAttention, AttentionSpec(kv_step=forgets_the_past),
+                             time_budget=None)
     assert report["kv_cache"].status == "failed"
     assert report["kv_cache"].detail.startswith("length 2, prefill 1 then one token at a time: "
                                                 "position 1 differs")
 
 
 def test_bidirectional_declared_but_causal_fails():
-    report = check_attention(MultiHeadAttention, AttentionSpec(causal=False))
+    report = check_attention(MultiHeadAttention, AttentionSpec(causal=False), time_budget=None)
     assert report["causality"].status == "failed"
     assert "it is causal" in report["causality"].detail
 
 
 def test_report_says_what_it_tested_and_what_it_could_not():
-    report = check_attention(MultiHeadAttention)
+    report = check_attention(MultiHeadAttention, time_budget=None)
     assert report.tested.startswith("the book's constructor, d_in=8, d_out=8, num_heads=2")
     assert "declared: no padding mask, window or KV cache" in report.tested
     assert not_applicable(report) == {"padding", "fully_padded_queries", "window", "kv_cache",
@@ -290,7 +292,8 @@ def test_a_wrong_scale_fails_whatever_the_layout():
     """Before: a fused qkv projection (nanoGPT's) scaled by 1/d_out passed 8 of 8 checks,
     with only a warning that the scale went unchecked."""
     assert assert_attention(FusedQKV)["scale"].status == "passed"
-    wrong = check_attention(type("FusedQKV[1/d_out]", (FusedQKV,), {"d_out_scale": True}))
+    wrong = check_attention(type("FusedQKV[1/d_out]", (FusedQKV,), {"d_out_scale": True}),
+                            time_budget=None)
     assert [r.name for r in wrong.failed] == ["scale"], wrong
     assert "it scales the scores by 1/d_out, not 1/sqrt(head_dim) = 1/sqrt(4)" in (
         wrong["scale"].detail)
@@ -300,26 +303,26 @@ def test_a_mask_off_by_one_is_named_for_what_it_is():
     """Before: the length-2 counterexample could not tell "sees every later token" from
     "sees the next one", its hint named three causes none of which was the bug, and the
     knock-on equals_gptmini failure suggested a wrong scale."""
-    report = check_attention(reader("triu diagonal=2"), READER_SPEC)
+    report = check_attention(reader("triu diagonal=2"), READER_SPEC, time_budget=None)
     causality = report["causality"].detail
     assert "each position sees the next 1 token(s) and none after" in causality
     assert "off by 1, as torch.triu(ones, diagonal=2) makes" in causality
     assert "masked_fill" not in causality
     assert "the mask differs, not the scale" in report["equals_gptmini"].detail
     assert report["scale"].status == "passed"  # the scale is right: the mask is not
-    assert "no causal mask applied" in check_attention(reader("masked_fill"))[
+    assert "no causal mask applied" in check_attention(reader("masked_fill"), time_budget=None)[
         "causality"].detail
 
 
 def test_errors_are_one_line_and_name_the_target():
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
-        check_attention("no_such_module:Attention")
+        check_attention("no_such_module:Attention", time_budget=None)
     with pytest.raises(ValueError, match="is not 'package.module:Name'"):
-        check_attention("gptmini.attention.MultiHeadAttention")
+        check_attention("gptmini.attention.MultiHeadAttention", time_budget=None)
     with pytest.raises(ValueError, match="gptmini.attention has no 'Nope'"):
-        check_attention("gptmini.attention:Nope")
+        check_attention("gptmini.attention:Nope", time_budget=None)
     with pytest.raises(ValueError, match=r"cannot build and run .*: ValueError: backend must"):
-        check_attention(functools.partial(MultiHeadAttention, backend="fast"))
+        check_attention(functools.partial(MultiHeadAttention, backend="fast"), time_budget=None)
 
 
 def test_a_constructor_of_its_own_is_told_to_pass_a_factory():
@@ -337,8 +340,9 @@ def test_a_constructor_of_its_own_is_told_to_pass_a_factory():
 
     with pytest.raises(ValueError, match=r"Mine: RuntimeError: .* It was built as Mine\(\) and "
                                          r"given inputs of width d_in=8: .* pass a factory"):
-        check_attention(Mine)
-    report = check_attention(lambda: Mine(hidden=8, heads=2), AttentionSpec(d_in=8, num_heads=2))
+        check_attention(Mine, time_budget=None)
+    report = check_attention(lambda: Mine(hidden=8, heads=2), AttentionSpec(d_in=8, num_heads=2),
+                             time_budget=None)
     assert report["causality"].status == "passed"
 
 
@@ -368,12 +372,12 @@ class Slow(MultiHeadAttention):
 def test_what_was_seen_is_diagnosed_not_guessed():
     """Before: a module returning NaN was told "its own key is masked", and one that
     changed its input in place "a mask not applied"."""
-    nan = check_attention(ReturnsNaN)
+    nan = check_attention(ReturnsNaN, time_budget=None)
     assert "returns non-finite values for finite inputs" in nan["sees_itself"].detail
     assert "masked" not in nan["sees_itself"].detail
-    assert "its own key is masked" in check_attention(reader("triu diagonal=0"))[
+    assert "its own key is masked" in check_attention(reader("triu diagonal=0"), time_budget=None)[
         "sees_itself"].detail
-    mutated = check_attention(MutatesItsInput)
+    mutated = check_attention(MutatesItsInput, time_budget=None)
     assert mutated["causality"].detail.startswith("InputMutated: it changed its input tensor")
     assert "mask not applied" not in str(mutated)
 
@@ -393,10 +397,11 @@ def test_a_slow_module_is_stopped_by_the_time_budget():
 def test_large_inputs_stay_in_float16s_range_so_correct_attention_passes():
     """Before: inputs x 1e3 overflowed float16 in the scores themselves (max 65504), so the
     book's attention failed and was told to subtract each row's maximum, which it does."""
-    correct = check_attention(reader(), READER_SPEC, dtype=torch.float16)
+    correct = check_attention(reader(), READER_SPEC, dtype=torch.float16, time_budget=None)
     assert correct["large_inputs_finite"].status == "passed", correct
     assert "scaled by 16" in correct["large_inputs_finite"].detail
-    naive = check_attention(reader("exp without the max"), READER_SPEC, dtype=torch.float16)
+    naive = check_attention(reader("exp without the max"), READER_SPEC, dtype=torch.float16,
+                            time_budget=None)
     assert naive["large_inputs_finite"].status == "failed"  # still caught at the fair scale
     assert "subtract each row's maximum" in naive["large_inputs_finite"].detail
 
@@ -408,7 +413,7 @@ def test_a_budget_that_would_check_nothing_is_refused(budget):
 
 
 def test_checks_the_budget_did_not_reach_leave_the_report_unfinished():
-    assert check_attention(reader(), READER_SPEC).finished
+    assert check_attention(reader(), READER_SPEC, time_budget=None).finished
     report = check_attention(Slow, time_budget=0.5)
     assert report.passed and not report.finished  # nothing failed, yet not all checked
 
@@ -428,7 +433,7 @@ class Leaky(MultiHeadAttention):
 
 def run(args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=HANG_SECONDS)
 
 
 @pytest.mark.slow
@@ -534,9 +539,11 @@ def test_relative_positions_catches_rotated_values_as_the_readme_shows():
 
 def test_relative_positions_passes_ours_and_fails_keys_rotated_in_other_pairs():
     spec = AttentionSpec(positions="positions")
-    ours = check_attention(functools.partial(MultiHeadAttention, rope_theta=10000.0), spec)
+    ours = check_attention(functools.partial(MultiHeadAttention, rope_theta=10000.0), spec,
+                           time_budget=None)
     assert ours["relative_positions"].status == "passed", ours["relative_positions"].detail
-    assert check_attention(MultiHeadAttention)["relative_positions"].status == "not applicable"
+    assert check_attention(MultiHeadAttention,
+                           time_budget=None)["relative_positions"].status == "not applicable"
     code, _ = rotary_readme()
     namespace = {"__name__": "readme", "print": lambda *a: None}
     exec(compile(code.replace("rotate(v, positions)", "v"), "README.md", "exec"), namespace)
@@ -560,7 +567,7 @@ def test_relative_positions_passes_ours_and_fails_keys_rotated_in_other_pairs():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    broken = check_attention(KeysInOtherPairs, spec)["relative_positions"]
+    broken = check_attention(KeysInOtherPairs, spec, time_budget=None)["relative_positions"]
     assert broken.status == "failed" and "positions enter absolutely" in broken.detail
 
 
@@ -576,8 +583,10 @@ def test_a_window_cache_that_forgets_a_key_inside_the_window_is_caught():
         cache = cache or WindowKVCache(module.settings.window_size)
         return module(x, kv_cache=cache), cache
 
-    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=short_cache))
+    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=short_cache),
+                             time_budget=None)
     assert report["kv_cache"].status == "failed"
     assert "differs from the full recompute" in report["kv_cache"].detail
-    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=window_cache))
+    report = check_attention(MultiHeadAttention, AttentionSpec(window=3, kv_step=window_cache),
+                             time_budget=None)
     assert report["kv_cache"].status == "passed"

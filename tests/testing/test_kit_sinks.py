@@ -61,13 +61,14 @@ def test_gptmini_with_sinks_and_a_gate_passes_every_check_it_declares():
                           ({"sinks": True, "gate": "headwise"}, "gate.W_gate")):
         spec = AttentionSpec(padding="attention_mask", window=3, sinks=(
             "sinks" if options.get("sinks") else None), gate=gate)
-        report = check_attention(functools.partial(MultiHeadAttention, **options), spec)
+        report = check_attention(functools.partial(MultiHeadAttention, **options), spec,
+                                 time_budget=None)
         assert report.passed, str(report)
         assert report["equals_gptmini"].status == "passed"  # compared with its sinks and its gate
 
 
 def test_a_readers_correct_sinks_and_gate_pass():
-    report = check_attention(reader(), SPEC)
+    report = check_attention(reader(), SPEC, time_budget=None)
     assert report.passed, str(report)
     assert report["identical_tokens"].status == report["equals_gptmini"].status == "passed"
 
@@ -78,7 +79,7 @@ def test_a_readers_correct_sinks_and_gate_pass():
     ("gate from the heads' output", "equals_gptmini"),
 ])
 def test_each_mistake_fails_the_check_that_names_it(bug, check):
-    report = check_attention(reader(bug), SPEC)
+    report = check_attention(reader(bug), SPEC, time_budget=None)
     assert report[check].status == "failed", str(report)
 
 
@@ -93,6 +94,6 @@ def test_undeclared_sinks_fail_identical_tokens_as_weights_not_summing_to_one():
             built.sinks.fill_(1.0)
         return built
 
-    report = check_attention(with_sinks, AttentionSpec(num_heads=2))
+    report = check_attention(with_sinks, AttentionSpec(num_heads=2), time_budget=None)
     assert report["identical_tokens"].status == "failed"
     assert "do not sum to 1" in report["identical_tokens"].detail

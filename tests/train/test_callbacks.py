@@ -218,3 +218,25 @@ def test_progress_bar_counts_steps_of_the_run_across_epochs_and_resumes(tmp_path
     assert shown[1][0][:2] == ("20", "30") and shown[1][-1][:2] == ("30", "30")
     assert {total for _, total, _ in shown[1]} == {"30"}
     assert all(eta != "?" for n, _, eta in shown[1] if int(n) > 20)  # an ETA after resuming
+
+
+def test_the_bars_tokens_per_second_is_the_interval_just_logged(tmp_path, corpus, capsys):
+    """Before: the bar refreshed before the module logged the interval's throughput (the
+    callbacks' on_train_batch_end runs first), so it showed the previous interval's tok/s."""
+    import re
+
+    from helpers import read_metrics, tiny_args
+
+    from gptmini.train.command import main
+
+    args = tiny_args(tmp_path, corpus, "--trainer.enable_progress_bar", "true",
+                     "--trainer.max_steps", "15", "--trainer.log_every_n_steps", "5",
+                     "--trainer.val_check_interval", "100")
+    assert main(args) == 0
+    out = capsys.readouterr().out.replace("\r", "\n")
+    shown = dict(re.findall(r"^Training:.*?\| *(\d+)/15 .*?tok/s=(\d+)", out, re.M))
+    logged = {int(row["step"]) + 1: f"{float(row['train/tokens_per_sec']):.0f}"
+              for row in read_metrics(tmp_path / "runs" / "tiny")
+              if row.get("train/tokens_per_sec")}
+    assert sorted(logged) == [5, 10, 15]
+    assert {int(step): value for step, value in shown.items()} == logged

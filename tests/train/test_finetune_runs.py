@@ -103,7 +103,10 @@ def test_a_classifier_trains_on_csv_records_and_evaluate_reports_its_accuracy(
                     "--model.learning_rate", "3e-3", "--trainer.limit_val_batches", "1.0")
     assert main(args) == 0
     best = tmp_path / "runs" / "tiny" / "checkpoints" / "best.ckpt"
-    capsys.readouterr()
+    report = capsys.readouterr().out
+    following = report[report.rindex("\nnext\n"):]  # before: generate.py and serve.py
+    assert "evaluate.py --checkpoint" in following and "acc " in report
+    assert "generate.py" not in following and "serve.py" not in following
     assert evaluate_main(["--checkpoint", str(best)]) == 0
     out = capsys.readouterr().out
     model, tokenizer, hparams = load_checkpoint(best)

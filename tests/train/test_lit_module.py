@@ -1,14 +1,18 @@
 import math
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from gptmini.convert import export_hf
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.train.module import GPTLitModule
-from gptmini.train.optim import lr_factor
+from gptmini.train.optim import lr_factor, warmup_for
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(context_length=16, emb_dim=16, n_heads=2, n_layers=2,
             drop_rate=0.0, peak_flops=1e9)
 
@@ -25,7 +29,8 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
 
 def test_weight_decay_only_on_parameters_with_two_or_more_dimensions():
     module = GPTLitModule(**TINY)
-    module.trainer = type("T", (), {"max_steps": 100, "estimated_stepping_batches": 100})()
+    module.trainer = SimpleNamespace(max_steps=100, estimated_stepping_batches=100,
+                                     is_global_zero=True)
     groups = module.configure_optimizers()["optimizer"].param_groups
     decayed, plain = groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
@@ -72,14 +77,32 @@ def test_the_edges_of_the_ranges_are_taken():
                     "loss_chunk_size": 1})
 
 
-def test_warmup_longer_than_the_run_is_clamped_to_the_run_with_a_warning():
-    module = GPTLitModule(**{**TINY, "warmup_steps": 200})
-    module.trainer = type("T", (), {"max_steps": 100, "estimated_stepping_batches": 100})()
-    with pytest.warns(UserWarning, match="warmup_steps=200 is longer than the run .100"):
+def test_a_run_shorter_than_its_warmup_still_decays_and_gptmini_says_why(capsys):
+    """Before: warmup_steps=200 in a 100-step run warmed up over all 100 steps and ended at
+    the peak rate, and the warning was printed as Lightning's (its trainer/call.py)."""
+    module = GPTLitModule(**{**TINY, "warmup_steps": 200, "min_lr_ratio": 0.1})
+    module.trainer = SimpleNamespace(max_steps=100, estimated_stepping_batches=100,
+                                     is_global_zero=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said as gptmini's own line, not a warning
         schedule = module.configure_optimizers()["lr_scheduler"]["scheduler"]
-    factors = [schedule.lr_lambdas[0](s) for s in (0, 99, 100)]
-    assert factors == [pytest.approx(lr_factor(s, 100, 100, 0.1)) for s in (0, 99, 100)]
-    assert factors[1] == pytest.approx(1.0)  # warmed up exactly at the run's last step
+    factors = [schedule.lr_lambdas[0](s) for s in range(100)]
+    peak = factors.index(max(factors))
+    assert factors[peak] == pytest.approx(1.0) and peak == 49  # warmed up over half the run
+    assert all(a > b for a, b in zip(factors[peak + 1:], factors[peak + 2:], strict=False))
+    assert factors[-1] < 0.11  # the last step is near the floor, not at the peak
+    said = capsys.readouterr().out
+    assert "--model.warmup_steps 200 is more than half of this run's 100 optimizer steps" in said
+    assert "--trainer.max_steps" in said
+
+
+def test_every_shipped_recipe_keeps_the_warmup_it_asks_for():
+    """The cap only touches runs shorter than twice their warm-up: no shipped config is one."""
+    configs = [REPO / "gptmini/configs/shakespeare-cpu.yaml", *sorted(REPO.glob("configs/*.yaml"))]
+    for path in configs:
+        config = yaml.safe_load(path.read_text())
+        steps, warmup = config["trainer"]["max_steps"], config["model"]["warmup_steps"]
+        assert warmup_for(warmup, steps) == warmup, path.name
 
 
 def _module_after_backward(scale: float, poison: bool = False):

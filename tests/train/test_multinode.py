@@ -1,6 +1,7 @@
 """A run across two nodes, as users launch one: here two "nodes" on loopback with gloo, one
 process each, told their place by Lightning's environment variables (MASTER_ADDR,
-MASTER_PORT, NODE_RANK, WORLD_SIZE; what SLURM or a cluster's launcher sets)."""
+MASTER_PORT, NODE_RANK, WORLD_SIZE; what SLURM or a cluster's launcher sets), by torchrun
+--nnodes 2 started on each, or by SLURM's variables (faked: no cluster here)."""
 
 import os
 import socket
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_args
+from helpers import HANG_SECONDS, REPO, tiny_args
+
+sys.path.insert(0, str(REPO / "bench"))
+import fsdp_parity  # noqa: E402  (bench/, as tests/test_gpu_proof.py reads gpu_proof)
 
 NODE = textwrap.dedent("""
     import os, signal, sys, torch
@@ -32,7 +36,7 @@ NODE = textwrap.dedent("""
             cli.trainer.callbacks.insert(0, SignalOnThisNode())
             return cli
         training.build_cli = build_cli
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], own_signals=True))  # as train.py
 """)
 
 
@@ -61,7 +65,7 @@ def test_two_nodes_train_stop_together_on_sigterm_to_one_and_resume_exactly(tmp_
                                   env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
-            return [(node.wait(timeout=300), node.communicate()[1]) for node in nodes]
+            return [(node.wait(timeout=HANG_SECONDS), node.communicate()[1]) for node in nodes]
         finally:
             for node in nodes:
                 node.kill()
@@ -85,3 +89,17 @@ def test_two_nodes_train_stop_together_on_sigterm_to_one_and_resume_exactly(tmp_
     for key, value in a.items():
         if key != "step":
             torch.testing.assert_close(b[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_a_torchrun_job_of_two_nodes_trains_and_resumes_as_one_node_of_two(tmp_path):
+    """FSDP2 with AdamW: torchrun --nnodes 2 started twice on 127.0.0.1, stopped at step 2
+    and resumed to 4, gives the weights of torchrun with one node of two processes, bit for
+    bit; so does the job started as SLURM's srun starts its tasks; and one node of two
+    equals one process at the same global batch (the loss of each step within 1e-5)."""
+    got = fsdp_parity.nodes(tmp_path, "adamw", steps=4, at=2, shape=fsdp_parity.TINY)
+    assert got["steps"] == 4 and got["bit_for_bit"] and got["losses_equal"]
+    assert got["environments"] == {"slurm": ["SLURMEnvironment"] * 2,
+                                   "torchrun": ["TorchElasticEnvironment"] * 2}
+    assert got["slurm_losses_equal"]
+    assert got["one_process_loss_difference"] <= 1e-5

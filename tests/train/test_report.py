@@ -33,6 +33,18 @@ def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):
     assert "evaluate.py --checkpoint" in evaluate and evaluate.endswith("best.ckpt")
 
 
+def test_a_classifiers_report_shows_accuracy_and_suggests_evaluate_py_only(tmp_path):
+    """Before: a classifier's run suggested generate.py and serve.py, which answer its class
+    ids as text."""
+    metrics = {"val/loss": ([10, 20], [0.9, 0.7]), "val/acc": ([10, 20], [0.55, 0.625])}
+    text = format_report(run_name="genres", steps=20, first_step=0, seconds=10.0, tokens=1,
+                         metrics=metrics, val_batches=4, checkpoints=tmp_path,
+                         curves=tmp_path / "curves.png", generates_text=False)
+    assert "last  loss 0.700  acc 0.625  (after step 20" in text
+    following = text.split("\nnext\n")[1].splitlines()
+    assert following and all("evaluate.py --checkpoint" in line for line in following)
+
+
 def test_a_finished_run_prints_its_report_and_saves_it_with_the_curves(tmp_path, corpus,
                                                                       capsys):
     assert main(tiny_args(tmp_path, corpus, "--trainer.max_steps", "25")) == 0

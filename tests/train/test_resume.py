@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, tiny_args, write_corpus
+from helpers import HANG_SECONDS, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 from gptmini.data import Corpus, GPTDataModule, Loader, Windows
@@ -172,7 +172,7 @@ def test_a_kill_right_after_a_resumed_runs_first_save_loses_nothing(tmp_path, co
     # straight run at 2: MKL splits a long matmul reduction (the head's input gradient,
     # K = vocabulary) across threads and adds the partial sums in another order.
     proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_FIRST_SAVE, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=HANG_SECONDS,
                           env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert proc.returncode == 9, proc.stderr[-2000:]
     last = tmp_path / "runs" / "killed" / "checkpoints" / "last.ckpt"
@@ -207,7 +207,7 @@ def test_a_signal_mid_accumulation_finishes_the_step_or_falls_back_to_the_last_o
     fit(straight)
     stopped = build(tmp_path, corpus, "signal", *extra, callbacks=[SignalAt(10)])
     with pytest.raises(RunInterrupted) as interrupted:
-        fit(stopped)
+        fit(stopped, own_signals=True)  # as train.py: the SIGTERM is not handed on
     assert interrupted.value.step == stops_at and interrupted.value.exit_code == 128 + 15
     last = tmp_path / "runs" / "signal" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == stops_at
@@ -228,7 +228,7 @@ def training_until_signalled(tmp_path, corpus, *extra: str):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
-    deadline = time.monotonic() + 300  # a hang guard, not a speed test
+    deadline = time.monotonic() + HANG_SECONDS  # a hang guard, not a speed test
     try:
         while not (metrics.is_file() and "train/loss" in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -245,7 +245,7 @@ def test_train_py_saves_and_exits_128_plus_the_signal(tmp_path, corpus, signum):
     proc, args = training_until_signalled(tmp_path, corpus)
     try:
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=HANG_SECONDS)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signum, err[-2000:]
@@ -273,7 +273,7 @@ DDP_RUN = textwrap.dedent("""
     if mode == "signal":
         cli.trainer.callbacks.insert(0, SignalRankOne())
     try:
-        fit(cli)
+        fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on
         code = 0
     except RunInterrupted as stop:
         code = stop.exit_code
@@ -301,7 +301,8 @@ def test_two_ddp_ranks_stop_together_and_resume_exactly(tmp_path, optimizer):
 
     def run(mode, *extra):
         proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode, *base, *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [torch.load(tmp_path / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)]
 
@@ -331,8 +332,8 @@ def test_changed_optimization_settings_apply_on_resume_and_are_named(tmp_path, c
     steps, lrs = read_metrics_column(tmp_path / "runs" / "tiny", "train/lr")
     resumed = [(s, lr) for s, lr in zip(steps, lrs, strict=True) if s >= 4]
     assert [s for s, _ in resumed] == [4, 5, 6, 7]
-    for step, lr in resumed:  # the CSV row `step` is logged after optimizer step step + 1
-        assert lr == pytest.approx(5e-4 * lr_factor(step + 1, 2, 8, 0.1))
+    for step, lr in resumed:  # the CSV row `step` holds the rate optimizer step `step` used
+        assert lr == pytest.approx(5e-4 * lr_factor(step, 2, 8, 0.1))
     groups = cli.trainer.optimizers[0].param_groups
     assert groups[0]["weight_decay"] == 0.05 and groups[1]["weight_decay"] == 0.0
 
@@ -411,7 +412,7 @@ def test_two_sigterms_50_ms_apart_exit_143_and_leave_a_whole_checkpoint(tmp_path
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=HANG_SECONDS)
     finally:
         proc.kill()
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, save_checkpoint, tiny_args
+from helpers import HANG_SECONDS, make_model, save_checkpoint, tiny_args
 
 import gptmini.checkpoint.atomic as checkpoint_io
 from gptmini.convert import export_hf
@@ -177,7 +177,7 @@ def test_a_file_size_limit_stops_the_run_with_one_line_and_keeps_the_last_checkp
     args = tiny_args(tmp_path, corpus, "--trainer.max_steps", "6", "--checkpoint_every", "2",
                      "--model.emb_dim", "64", "--model.context_length", "32")
     first = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300,
+                           capture_output=True, text=True, timeout=HANG_SECONDS,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert first.returncode == 0, first.stderr[-2000:]
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
@@ -189,7 +189,7 @@ def test_a_file_size_limit_stops_the_run_with_one_line_and_keeps_the_last_checkp
     resumed = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args, "--trainer.max_steps", "10",
          "--ckpt_path", "last"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=limit,
+        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_SECONDS, preexec_fn=limit,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert resumed.returncode == 1, resumed.stderr[-2000:]

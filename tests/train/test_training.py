@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import column, read_metrics, tiny_args, write_corpus
+from helpers import HANG_SECONDS, column, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 import gptmini
@@ -92,7 +92,8 @@ def test_a_run_and_its_resume_print_no_adverts_or_deprecation_warnings(tmp_path,
     printed = ""
     for extra in ([], ["--trainer.max_steps", "6", "--ckpt_path", "last"]):
         proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args, *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr[-2000:]
         printed += proc.stdout + proc.stderr
     assert "Restored all states" in printed  # the resume did happen
@@ -122,7 +123,7 @@ def test_the_save_on_a_signal_says_nothing_of_weights_only(tmp_path, corpus):
         cli = build_cli(tiny_args(tmp_path, corpus, "--trainer.max_steps", "10"))
         cli.trainer.callbacks.insert(0, Sigterm())
         with pytest.raises(RunInterrupted):
-            fit(cli)
+            fit(cli, own_signals=True)  # as train.py: the SIGTERM is not handed on
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -138,7 +139,7 @@ def test_wandb_without_a_key_runs_offline_and_never_prompts(tmp_path, corpus):
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "logging offline" in proc.stdout and "wandb sync" in proc.stdout
@@ -183,7 +184,7 @@ def test_two_process_ddp_trains_each_rank_on_different_windows_with_document_mas
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path,
                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_SECONDS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["step"] == 6 for r in ranks)
@@ -394,7 +395,8 @@ def test_only_train_py_keeps_freed_memory_and_then_large_tensors_stay_on_the_hea
     for mode in ("entry", "library"):
         script = MALLINFO.replace("sys.argv_mode", repr(mode))
         proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              text=True, timeout=HANG_SECONDS,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
         mmapped[mode] = int(proc.stdout.split()[-1])
     assert mmapped["entry"] <= 0  # served from the heap, kept for the next step

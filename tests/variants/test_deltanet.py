@@ -179,7 +179,7 @@ def test_the_kit_passes_it_as_linear_attention():
 
     spec = AttentionSpec(d_in=8, num_heads=2, padding="attention_mask", kv_step=kit_step,
                          softmax=False)
-    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), spec)
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), spec, time_budget=None)
     assert report.passed, str(report)
     for name in ("causality", "padding", "kv_cache", "batch_rows_independent"):
         assert report[name].status == "passed", str(report)
@@ -187,5 +187,6 @@ def test_the_kit_passes_it_as_linear_attention():
     # a state that is not handed on between calls is caught
     forgetful = AttentionSpec(d_in=8, num_heads=2, softmax=False,
                               kv_step=lambda m, x, s: kit_step(m, x, None))
-    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), forgetful)
+    report = check_attention(lambda: GatedDeltaNet(8, 2, 4, chunk_size=4), forgetful,
+                             time_budget=None)
     assert report["kv_cache"].status == "failed", str(report)

@@ -16,8 +16,11 @@ class ModelShape(Protocol):
 
     emb_dim: int
     n_heads: int
+    head_size: int
     context_length: int
     rope_theta: float
+    rope_scaling: dict | None
+    rope_local_theta: float | None
 
 
 class PositionScheme:
@@ -39,6 +42,8 @@ class PositionScheme:
 
     relative: ClassVar[bool] = True
     """Positions enter attention only as distances (a query's place minus a key's)."""
+    options: ClassVar[tuple[str, ...]] = ()
+    """The config's fields of its own that it reads (a config refuses any set without it)."""
     embedding: nn.Module | None = None
     """The module `make_embedding` made (a scheme that embeds keeps it), or None."""
 

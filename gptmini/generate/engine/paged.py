@@ -29,7 +29,7 @@ class KVPool:
                  device: torch.device | str, num_layers: int | None = None):
         kv_heads = cfg.n_kv_heads or cfg.n_heads
         num_layers = cfg.n_layers if num_layers is None else num_layers
-        shape = (num_layers, num_blocks * block_size, kv_heads, cfg.emb_dim // cfg.n_heads)
+        shape = (num_layers, num_blocks * block_size, kv_heads, cfg.head_size)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(shape[1], dtype=torch.long, device=device)  # per slot

@@ -31,6 +31,9 @@ class Task(ABC):
     alone reads it, so a new task brings its own batch layout with its own data.
     """
 
+    generates_text = True
+    """The trained model writes text (generate.py, serve.py): a run's report suggests them."""
+
     def prepare(self, model: GPTModel) -> set[str]:
         """Shape `model` for the task, in place, before any weight is loaded (a class head).
 

@@ -19,6 +19,8 @@ class Classification(Task):
     whole validation split, every rank's examples).
     """
 
+    generates_text = False  # its head scores classes: evaluate.py is what it is for
+
     def __init__(self, classes: Sequence[str]):
         self.classes = tuple(classes)
         self._confusion: Tensor | None = None  # validation counts, true x predicted
