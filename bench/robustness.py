@@ -18,7 +18,9 @@ The cases live in bench/robustness_cases/, one module per group: train (train.py
 and flags), runs (checkpoints through resumes, signals and kills), generate, evaluate,
 serve (with the page's endpoints), kit (with the device parity check),
 convert (Hugging Face directories in, exports out), settings (float flags, seeds, and
-checkpoints whose tokenizer or weights are wrong).
+checkpoints whose tokenizer or weights are wrong), chat (chat data and templates, through
+train.py, generate.py --chat and the chat API), finetune (LoRA, fine-tune sources and
+classification).
 Offline throughout (HF_HUB_OFFLINE=1). Takes a few minutes on 2 cores.
 """
 
@@ -29,13 +31,24 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from robustness_cases import convert, evaluate, generate, kit, runs, serve, settings, train
+from robustness_cases import (
+    chat,
+    convert,
+    evaluate,
+    finetune,
+    generate,
+    kit,
+    runs,
+    serve,
+    settings,
+    train,
+)
 from robustness_cases.lab import Lab
 
 GROUPS = {"train": train.CASES, "runs": runs.CASES, "generate": generate.CASES,
           "evaluate": evaluate.CASES,
           "serve": serve.CASES, "kit": kit.CASES, "convert": convert.CASES,
-          "settings": settings.CASES}
+          "settings": settings.CASES, "chat": chat.CASES, "finetune": finetune.CASES}
 
 
 def run_cases(lab: Lab, cases: dict) -> Counter:

@@ -27,7 +27,6 @@ from functools import cache
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 ASSETS = Path(__file__).parent / "assets"
 GPT2_VOCAB = ASSETS / "gpt2.tiktoken"
@@ -107,13 +106,18 @@ def gpt2_tokenizer(vocab: Path = GPT2_VOCAB) -> tiktoken.Encoding:
             f"the GPT-2 vocabulary {vocab} is missing; reinstall gptmini "
             "(pip install -e .) so its assets are in place"
         )
-    digest = hashlib.sha256(vocab.read_bytes()).hexdigest()
+    contents = vocab.read_bytes()
+    digest = hashlib.sha256(contents).hexdigest()
     if digest != GPT2_SHA256:
         raise RuntimeError(
             f"the GPT-2 vocabulary {vocab} is altered (sha256 {digest}, expected "
             f"{GPT2_SHA256}); restore it from the gptmini repository"
         )
-    return _encoding("gpt2", load_tiktoken_bpe(str(vocab)))
+    # Parsed here, as tiktoken's load_tiktoken_bpe parses it, which would also write a copy
+    # to tiktoken's cache (a needless write that fails on a full disk, naming no file).
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in contents.splitlines() if line)}
+    return _encoding("gpt2", ranks)
 
 
 def _encoding(name: str, ranks: dict[bytes, int], pattern: str = GPT2_PATTERN
@@ -199,12 +203,21 @@ def tokenizer_from_dict(data: dict, where: str = "tokenizer") -> tiktoken.Encodi
 
 
 def save_tokenizer(enc: tiktoken.Encoding, path: str | os.PathLike) -> Path:
-    """Write `enc` to `path` as JSON, atomically (a reader never sees half a file)."""
+    """Write `enc` to `path` as JSON, atomically (a reader never sees half a file).
+
+    Raises:
+        OSError: the file could not be written (a full disk), naming it.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(tokenizer_to_dict(enc)))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(tokenizer_to_dict(enc)))
+        os.replace(tmp, path)
+    except OSError as err:  # a full or read-only disk: name the file (the OS error does not)
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"could not write the tokenizer {path} ({err.strerror or err})"
+                      "; free space or fix the disk, then run again") from err
     return path
 
 

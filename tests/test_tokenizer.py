@@ -1,5 +1,8 @@
+import errno
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -173,3 +176,14 @@ def test_a_prompt_encodes_special_tokens_written_in_it_as_those_tokens():
     assert tok.encode_prompt(two, "a<|pad|>b<|endoftext|>") == [97, 257, 98, 256]
     assert tok.encode_prompt(two, "") == [256] and tok.encode_prompt(byte, "") == [256]
     assert tok.encode_prompt(get_tokenizer(), "<|endoftext|>") == [50256]
+
+
+def test_a_tokenizer_that_cannot_be_saved_is_named(tmp_path, monkeypatch):
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    path = tmp_path / "run" / "tokenizer.json"
+    with pytest.raises(OSError, match=f"could not write the tokenizer {path} \\(No space"):
+        tok.save_tokenizer(get_tokenizer("byte"), path)
+    assert list(path.parent.iterdir()) == []

@@ -60,6 +60,25 @@ def missing_text(skip: bool):
     return case
 
 
+def full_disk(lab: Lab):
+    """No room for the token cache (a file-size limit: EFBIG, as ENOSPC): the error must
+    name the cache, which the OS error does not."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+    where = lab.folder()
+    proc = lab.run("train.py", *lab.args(where, "--model.tokenizer", "gpt2"), cwd=where,
+                   preexec_fn=limit)
+    result = outcome(proc)
+    if result == "clear error" and "token cache" not in proc.stderr:
+        result = "silent"  # refused, but no file named
+    return result, last_line(proc)
+
+
 CORPUS = {
     "the default tiny run": train_case({}, expect_error=False),
     "a missing file": train_case({}, source="{d}/missing.txt"),
@@ -121,6 +140,12 @@ COMMAND_LINE = {
     "a text file as --ckpt_path": train_case({"n.ckpt": "my notes"}, "--ckpt_path", "n.ckpt"),
     "a truncated --ckpt_path": train_case({"t.ckpt": b"PK\x03\x04" + b"\0" * 500},
                                           "--ckpt_path", "t.ckpt"),
+    "mla_kv_lora_rank 1000 on a 32-wide model": train_case(
+        {}, "--model.mla_kv_lora_rank", "1000", "--model.n_kv_heads", "null",
+        "--model.qk_norm", "false"),
+    "a window on a Gated DeltaNet layer": train_case(
+        {}, "--model.layer_kinds", "[deltanet, attention]", "--model.window_size", "8"),
+    "a full disk under the token cache": full_disk,
 }
 
 CASES = {**CORPUS, **COMMAND_LINE}

@@ -340,7 +340,8 @@ def read_choices(source: str, split: str = "validation",
 
 
 TRAIN_FLAGS = {"--data.corpus.encoding_errors": "--encoding_errors",
-               "--data.corpus.text_field": "--text_field"}
+               "--data.corpus.text_field": "--text_field",
+               "--data.labels.label_field": "--label_field"}
 """train.py's flags that the data package's messages advise, and evaluate.py's own for them."""
 
 
@@ -405,6 +406,8 @@ class ClassScore:
     confusion: list[list[int]]
     """confusion[i][j]: examples of true class i predicted as j."""
     classes: list[str]
+    cut: int = 0
+    """Texts longer than the context, classified from their start (as in training)."""
 
     def table(self) -> str:
         """The confusion table as text: a row per true class, a column per predicted one,
@@ -422,11 +425,16 @@ class ClassScore:
 
 @torch.inference_mode()
 def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords,
-                  classes: list[str], *, batch_size: int = 8) -> ClassScore:
+                  classes: list[str], *, batch_size: int = 8,
+                  where: str = "the evaluated records") -> ClassScore:
     """A classifier's accuracy and confusion table on labelled records, each read as in
-    training: its first context_length tokens, right-padded, the class at its last token."""
-    data = LabeledDataset(records, tokenizer, classes, model.cfg.context_length,
-                          "the evaluated records")
+    training: its first context_length tokens, right-padded, the class at its last token.
+
+    Raises:
+        ValueError: a label the classifier was not trained on (naming `where`)."""
+    data = LabeledDataset(records, tokenizer, classes, model.cfg.context_length, where,
+                          fix="the classifier was trained on these classes alone: score "
+                              "records of them (drop or relabel the others)")
     device = next(model.parameters()).device
     predicted, labels = [], []
     for start in range(0, len(data), batch_size):
@@ -437,7 +445,7 @@ def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords
         labels.append(label)
     accuracy, confusion = accuracy_and_confusion(torch.cat(predicted), torch.cat(labels),
                                                  len(classes))
-    return ClassScore(accuracy, confusion.tolist(), list(classes))
+    return ClassScore(accuracy, confusion.tolist(), list(classes), data.cut)
 
 
 def labelled_records(path: str | None, hparams: dict, text_field: str,
@@ -520,9 +528,11 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             records, name = labelled_records(args.data, run_data_settings(args.checkpoint),
                                              args.text_field, args.label_field)
             scored = score_classes(model, tokenizer, records, loaded_hparams["classes"],
-                                   batch_size=args.batch_size)
-            return say(f"{name}: {len(records):,} examples\naccuracy {scored.accuracy:.4f}\n"
-                       f"{scored.table()}")
+                                   batch_size=args.batch_size, where=name)
+            cut = (f" ({scored.cut:,} longer than the context of {model.cfg.context_length} "
+                   "tokens, classified from their start as in training)" if scored.cut else "")
+            return say(f"{name}: {len(records):,} examples{cut}\naccuracy "
+                       f"{scored.accuracy:.4f}\n{scored.table()}")
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))

@@ -40,11 +40,32 @@ def read_records(source: str | Path) -> list[Record]:
             try:
                 records.append((f"{path} line {number}", json.loads(line)))
             except json.JSONDecodeError as err:
+                whole = _one_object(text, path)
+                if whole is not None:
+                    return [whole]
                 raise ValueError(f"{path} line {number}: not JSON ({err.msg}); each line "
                                  "must be one record") from None
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
+
+
+def _one_object(text: str, path: Path) -> Record | None:
+    """A file that is one JSON object over several lines (pretty-printed): one record when
+    it is a record, None when it is not JSON at all.
+
+    Raises:
+        ValueError: an object that is no record (a wrapper of records, say), naming its keys.
+    """
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(whole, Mapping) and ("messages" in whole or "instruction" in whole):
+        return f"{path} line 1", whole
+    found = sorted(whole)[:6] if isinstance(whole, Mapping) else type(whole).__name__
+    raise ValueError(f"{path} is one JSON value ({found}), not chat records: give a JSON list "
+                     "of records ([{...}, ...]) or one record per line (.jsonl)")
 
 
 def _array_records(text: str, path: Path) -> Iterator[Record]:

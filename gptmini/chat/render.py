@@ -23,10 +23,14 @@ from functools import lru_cache
 
 import tiktoken
 
-from gptmini.chat.templates import ChatDataError, ChatTemplate
+from gptmini.chat.templates import ChatDataError, ChatTemplate, ChatTemplateError
 
 ROLES = ("system", "user", "assistant")
 """The roles a message may have (tool calls are not supported)."""
+UNSUPPORTED = ("tool_calls", "function_call")
+"""Message fields gptmini cannot render (OpenAI's tool calls): refused, never dropped."""
+_MARKER = "\ue000gptmini: the next message\ue000"
+"""Text no record holds (private-use characters): where a message's content lands."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ def check_messages(messages: object, where: str = "conversation", *,
         role = message["role"]
         if role not in ROLES:
             raise ChatDataError(f"{at}.role is {_show(role)}: use one of {', '.join(ROLES)}")
+        for name in UNSUPPORTED:
+            if message.get(name):  # (null or [] is what clients send for "none")
+                raise ChatDataError(f"{at}.{name}: tool calls are not supported (a message is "
+                                    "rendered from its role and content alone); send the "
+                                    f"assistant's reply as content, without {name}")
         plain.append({"role": role, "content": _content(message.get("content"), at)})
     if need_assistant and not any(m["role"] == "assistant" for m in plain):
         raise ChatDataError(f"{where}: no 'assistant' message, so nothing to learn from; "
@@ -138,6 +147,7 @@ def render_chat(messages: Sequence[Mapping], tokenizer: tiktoken.Encoding,
     for i, message in enumerate(plain):
         if not mask or message["role"] != "assistant":
             continue
+        _check_no_stop_text(message["content"], template, f"{where}: messages[{i}]")
         before = _render_text(template, plain[:i], True, where)
         if not text.startswith(before):
             raise ChatDataError(
@@ -147,12 +157,53 @@ def render_chat(messages: Sequence[Mapping], tokenizer: tiktoken.Encoding,
                 f"tokens of messages[{i}] cannot be found; merge such messages into one")
         start = next((k for k, o in enumerate(offsets) if o >= len(before)), len(ids))
         end = next((k for k in range(start, len(ids)) if ids[k] in stops), None)
-        if end is None:
-            raise ChatDataError(
-                f"{where}: messages[{i}] (assistant) is not ended by a stop token "
-                f"({', '.join(template.stop)}) of chat template {template.name!r}")
+        next_starts = _next_message_start(template, plain, i, text, add_generation_prompt,
+                                          where)
+        if end is None or offsets[end] >= next_starts:
+            raise ChatDataError(_unended_turn(plain, i, template, where, end is not None))
         assistant[start:end + 1] = [True] * (end + 1 - start)
     return RenderedChat(ids, assistant)
+
+
+def _unended_turn(plain: list[dict], i: int, template: ChatTemplate, where: str,
+                  later: bool) -> str:
+    """The refusal of an assistant turn with no stop token of its own (`later`: the first
+    stop comes only after the next message began, as from a template that writes it after
+    the last turn alone)."""
+    said = (f" before messages[{i + 1}] ({plain[i + 1]['role']}) begins, so the loss mask "
+            f"would teach messages[{i + 1}] as the assistant's words" if later else "")
+    return (f"{where}: messages[{i}] (assistant) is not ended by a stop token "
+            f"({', '.join(template.stop)}) of chat template {template.name!r}{said}; the "
+            "template must end every assistant turn with its stop token (gptmini's writes "
+            "<|end|> after each message)")
+
+
+def _check_no_stop_text(content: str, template: ChatTemplate, at: str) -> None:
+    """An assistant's text may not spell a stop token: it would be encoded as that token
+    (special tokens are split out first), ending the turn there, and the loss mask would
+    never reach the rest of the answer."""
+    for stop in template.stop:
+        if stop in content:
+            rest = len(content) - content.index(stop) - len(stop)
+            raise ChatDataError(
+                f"{at} (assistant) holds {stop!r}, the stop token of chat template "
+                f"{template.name!r}: it would be encoded as that token and end the turn "
+                f"there, {rest} characters before the answer ends, which would never be "
+                "learned; remove it from the record (the template writes the stop after "
+                "each answer itself)")
+
+
+def _next_message_start(template: ChatTemplate, plain: list[dict], i: int, text: str,
+                        add_generation_prompt: bool, where: str) -> int:
+    """Where messages[i + 1]'s content begins in `text` (the whole conversation rendered),
+    found by rendering it once more with a marker for that content; len(text) when there
+    is no next message or the template does not write its content."""
+    if i + 1 >= len(plain):
+        return len(text)
+    marked = [*plain[:i + 1], {**plain[i + 1], "content": _MARKER}, *plain[i + 2:]]
+    variant = _render_text(template, marked, add_generation_prompt, where)
+    at = variant.find(_MARKER)
+    return at if at >= 0 and variant[:at] == text[:at] else len(text)
 
 
 def _render_text(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
@@ -160,12 +211,23 @@ def _render_text(template: ChatTemplate, messages: list[dict], add_generation_pr
     import jinja2
 
     try:
-        return _compiled(template.source).render(
+        compiled = _compiled(template.source)
+    except jinja2.TemplateSyntaxError as err:
+        raise ChatTemplateError(f"chat template {template.name!r} is not valid Jinja: "
+                                f"{err.message} (line {err.lineno}); fix the template, or "
+                                "render with another one") from None
+    try:
+        return compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
             documents=None, **template.special_tokens)
-    except jinja2.TemplateError as err:
+    except jinja2.TemplateError as err:  # raise_exception, or the sandbox: it refused them
         raise ChatDataError(f"{where}: chat template {template.name!r} refused it: "
                             f"{err}") from None
+    except Exception as err:  # a template is code from elsewhere: its own bug, named
+        raise ChatTemplateError(
+            f"{where}: chat template {template.name!r} failed while rendering it "
+            f"({type(err).__name__}: {err}); fix the template, or render with another "
+            "one") from None
 
 
 def _encode(tokenizer: tiktoken.Encoding, text: str) -> tuple[list[int], list[int]]:
@@ -209,8 +271,4 @@ def _compiled(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as err:
-        raise ChatDataError(f"the chat template is not valid Jinja: {err} (line {err.lineno})"
-                            ) from None
+    return env.from_string(source)  # (a TemplateSyntaxError is named by the caller)

@@ -33,6 +33,11 @@ class ChatDataError(ValueError):
     """A conversation gptmini cannot render; the message names the record and the field."""
 
 
+class ChatTemplateError(ChatDataError):
+    """A chat template that failed while rendering (a bug of its own, such as a division by
+    zero): the template is at fault, not the conversation (a server answers 500)."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A chat template and what rendering it needs (plain data: checkpoints carry it).
@@ -149,7 +154,8 @@ def directory_template(directory: str | Path, tokenizer: tiktoken.Encoding
     """
     directory = Path(directory)
     config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = (_json_object(config_path, "the tokenizer's settings") if config_path.is_file()
+              else {})
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
@@ -164,7 +170,7 @@ def directory_template(directory: str | Path, tokenizer: tiktoken.Encoding
     stop = [specials["eos_token"]] if "eos_token" in specials else []
     generation = directory / "generation_config.json"
     if generation.is_file():
-        ids = json.loads(generation.read_text()).get("eos_token_id")
+        ids = _json_object(generation, "the generation settings").get("eos_token_id")
         ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
         by_id = {i: t for t, i in special_tokens(tokenizer).items()}
         stop += [by_id[i] for i in ids if i in by_id and by_id[i] not in stop]
@@ -175,6 +181,24 @@ def directory_template(directory: str | Path, tokenizer: tiktoken.Encoding
                             "assistant turn")
     template.check_tokenizer(tokenizer)
     return template
+
+
+def _json_object(path: Path, what: str) -> dict:
+    """The JSON object in `path`, or a ValueError naming the file, where it breaks and what
+    it should hold (json's own error names neither)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); it "
+                         f"should be {what} in JSON") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno} column "
+                         f"{err.colno}); it should be {what}: fix or download it again"
+                         ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}; it should be {what}, "
+                         "a JSON object")
+    return data
 
 
 def _token_text(value: object) -> str | None:
@@ -223,7 +247,11 @@ def load_template(name: str, tokenizer: tiktoken.Encoding) -> ChatTemplate:
                              "tokenizer_config.json (nor chat_template.jinja)")
         return template
     if path.suffix == ".json" and path.is_file():
-        return ChatTemplate.from_dict(json.loads(path.read_text()))
+        data = _json_object(path, "a chat template")  # (its errors name the file)
+        try:
+            return ChatTemplate.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"chat template {name}: {err}") from None
     raise ValueError(f"chat template {name!r}: use auto, gptmini, book, a Hugging Face "
                      "directory with a chat template, or a template's .json file")
 

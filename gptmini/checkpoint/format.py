@@ -162,10 +162,13 @@ def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] |
     """
     where = base or lora["base"]
     if not Path(where).exists():
+        relative = "" if Path(where).is_absolute() else (
+            f" (a relative path, as older runs saved it: read from {Path.cwd()}; run from the "
+            "directory it was trained in)")
         raise FileNotFoundError(
             f"{path} holds LoRA adapters, trained on the base {lora['base']}, which is not "
-            "there: put the base back, or pass where it is now (load_checkpoint(path, "
-            "base=...))")
+            f"there{relative}: put the base back, or pass where it is now "
+            "(load_checkpoint(path, base=...))")
     base_model = load_checkpoint(where).model
     found = base_fingerprint(base_model.state_dict())
     if found != lora["base_fingerprint"]:
@@ -262,8 +265,20 @@ def _model_holding(cfg: GPTConfig, model_state: dict, path: Path,
 
 def load_on_device(path: str | Path, device: torch.device | str, dtype: str) -> LoadedModel:
     """`load_checkpoint` onto `device`, in `dtype` (a name `gptmini.runtime.auto_dtype` takes:
-    auto, float32, bfloat16, float64): what --device and --dtype of the commands load."""
+    auto, float32, bfloat16, float64): the language model that generate.py and serve.py
+    write text with, from --checkpoint, --device and --dtype.
+
+    Raises:
+        ValueError: a classifier (its head scores classes, not tokens), or what
+            `load_checkpoint` refuses.
+    """
     model, tokenizer, hparams = load_checkpoint(path, map_location=device)
+    if hparams.get("classes"):
+        raise ValueError(
+            f"{path} is a classifier (classes {', '.join(map(str, hparams['classes']))}): its "
+            "head scores classes, not tokens, so it writes no text; score it with "
+            f"evaluate.py --checkpoint {path} (--data a labelled file), or in Python with "
+            "gptmini.finetune.class_logits")
     return LoadedModel(model.to(auto_dtype(dtype, device)), tokenizer, hparams)
 
 

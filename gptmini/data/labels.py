@@ -16,6 +16,8 @@ at most `PASSAGES_PER_WORK`, spread evenly over it, after its title and cast lis
 import csv
 import gzip
 import json
+import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +68,24 @@ class LabeledRecords:
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def class_names(self, field: str | None, where: str) -> list[str]:
+        """The labels, sorted: the classes a head is built for.
+
+        Raises:
+            ValueError: most labels are held by one record alone (the text given as the
+                label field, say): no class could be learned from its examples.
+        """
+        counts = Counter(self.labels)
+        alone = sum(1 for n in counts.values() if n == 1)
+        if len(counts) > 2 and alone > len(self) / 2:
+            raise ValueError(
+                f"{where}: the label field {field!r} gives {len(counts):,} classes to "
+                f"{len(self):,} records, {alone:,} of them held by one record alone, and a "
+                f"class cannot be learned from one example. Is {field!r} the text? Set "
+                "--data.labels.label_field to the field that holds the classes (the text is "
+                "--data.corpus.text_field)")
+        return sorted(counts)
 
 
 @dataclass(frozen=True)
@@ -155,7 +175,26 @@ def read_records(path: str | Path, text_field: str, label_field: str) -> Labeled
         labels.append(str(row[label_field]))
     if not texts:
         raise ValueError(f"labelled data {path} holds no records")
+    clash = next((spellings for spellings in _numbers(set(labels)).values()
+                  if len(spellings) > 1), None)
+    if clash:
+        raise ValueError(f"labelled data {path}: the labels {' and '.join(clash)} are one "
+                         f"number written {len(clash)} ways, which would train as "
+                         f"{len(clash)} classes; write each label one way (e.g. {clash[0]})")
     return LabeledRecords(texts, labels)
+
+
+def _numbers(labels: set[str]) -> dict[float, list[str]]:
+    """The labels that read as finite numbers, by their value (each value's spellings)."""
+    by_value: dict[float, list[str]] = {}
+    for label in sorted(labels):
+        try:
+            value = float(label)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            by_value.setdefault(value, []).append(label)
+    return by_value
 
 
 def passages(text: str) -> list[str]:
@@ -193,17 +232,25 @@ def genre_records(split: str) -> LabeledRecords:
 
 class LabeledDataset(Dataset):
     """Token ids (cut to `max_length`, the book's truncation: the text's start) and class
-    indices of labelled records; `pad_batch` batches them."""
+    indices of labelled records; `pad_batch` batches them. `cut` counts the texts that were
+    longer than `max_length` (the caller says so: they are classified from their start).
+
+    Args:
+        where: the records, for errors (a file; "the validation share of ...").
+        fix: what the user can do about a label that is not among `classes`.
+    """
 
     def __init__(self, records: LabeledRecords, tokenizer: Encoding, classes: list[str],
-                 max_length: int, where: str = "labelled data"):
+                 max_length: int, where: str = "labelled data",
+                 fix: str = "list every class with --data.labels.classes"):
         index = {name: i for i, name in enumerate(classes)}
         unknown = sorted(set(records.labels) - set(index))
         if unknown:
             raise ValueError(f"{where} has labels {unknown} that are not among the model's "
-                             f"classes {classes}; list them in --model.classes")
-        self.ids = [tokenizer.encode_ordinary(t)[:max_length] or [tokenizer.eot_token]
-                    for t in records.texts]
+                             f"classes {classes}{_respelled(unknown, classes)}; {fix}")
+        encoded = [tokenizer.encode_ordinary(t) for t in records.texts]
+        self.cut = sum(len(ids) > max_length for ids in encoded)
+        self.ids = [ids[:max_length] or [tokenizer.eot_token] for ids in encoded]
         self.labels = [index[label] for label in records.labels]
 
     def __len__(self) -> int:
@@ -211,6 +258,23 @@ class LabeledDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[list[int], int]:
         return self.ids[i], self.labels[i]
+
+
+def _respelled(unknown: list[str], classes: list[str]) -> str:
+    """Says which unknown labels are a class's number written another way ("1.0" for "1")."""
+    ours = _numbers(set(classes))
+    same = [f"{label} is the class {ours[value][0]}" for value, spellings
+            in _numbers(set(unknown)).items() if value in ours for label in spellings]
+    return f" ({', '.join(same)} written another way: write it the same way)" if same else ""
+
+
+def cut_note(name: str, data: LabeledDataset, max_length: int) -> str | None:
+    """A line saying how many of `data`'s texts were cut to the context, or None."""
+    if not data.cut:
+        return None
+    return (f"{name}: {data.cut:,} of {len(data):,} texts are longer than the context "
+            f"({max_length} tokens) and are classified from their first {max_length} (the "
+            "book's truncation); raise --model.context_length to read more of them")
 
 
 def pad_batch(items: list[tuple[list[int], int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca
 from gptmini.data.chat import Chat, chat_datasets, read_chat_records
-from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, pad_batch
+from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, cut_note, pad_batch
 from gptmini.data.preference import (
     Preference,
     RenderedPair,
@@ -141,18 +141,40 @@ class GPTDataModule(L.LightningDataModule):
         return self.labels.splits(c.source, c.val_source, c.val_fraction, c.text_field)
 
     def class_names(self) -> list[str]:
-        """A classification run's classes: the training records' labels, sorted."""
-        return sorted(set(self.labelled_splits()[0].labels))
+        """A classification run's classes: the training records' labels, sorted (see
+        `LabeledRecords.class_names`, which refuses labels that are not classes)."""
+        return self.labelled_splits()[0].class_names(self.labels.label_field,
+                                                     self.split_names()[0])
+
+    def split_names(self) -> tuple[str, str]:
+        """How messages name a classification run's training and validation records."""
+        c, task = self.corpus, self.labels.task
+        if task:
+            return f"the training works of {task}", f"the held-out works of {task}"
+        val = (c.val_source if c.val_source is not None else
+               f"the validation share (--data.corpus.val_fraction {c.val_fraction}) of {c.source}")
+        return str(c.source), str(val)
 
     def setup_labelled(self, classes: list[str]) -> None:
         """The datasets of a classification run, with `classes` in the model's order."""
-        enc = self.tokenizer
+        enc, max_length = self.tokenizer, self.windows.max_length
         train, val = self.labelled_splits()
-        source = self.labels.task or self.corpus.source
-        self.train_dataset = LabeledDataset(train, enc, classes, self.windows.max_length,
-                                            f"the training records of {source}")
-        self.val_dataset = LabeledDataset(val, enc, classes, self.windows.max_length,
-                                          f"the validation records of {source}")
+        train_name, val_name = self.split_names()
+        self.train_dataset = LabeledDataset(
+            train, enc, classes, max_length, train_name,
+            fix="add them to --data.labels.classes, or leave it out (the classes are then "
+                "the training records' labels)")
+        self.val_dataset = LabeledDataset(
+            val, enc, classes, max_length, val_name,
+            fix="the classifier learns the training records' labels, and a class no "
+                "training record has is never learned: add training records of it, or drop "
+                "those validation records (--data.labels.classes listing every class keeps "
+                "them, scored against a class that never trained)")
+        notes = [cut_note(name, data, max_length) for name, data in
+                 ((train_name, self.train_dataset), (val_name, self.val_dataset))]
+        if self.trainer is None or self.trainer.is_global_zero:
+            for note in filter(None, notes):
+                print(note, flush=True)
 
     def setup_chat(self) -> None:
         """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""

@@ -1,5 +1,6 @@
 """The token cache: documents encoded once into flat token files, keyed by what made them."""
 
+import errno
 import hashlib
 import json
 import logging
@@ -209,16 +210,26 @@ def _written_atomically(final: Path) -> Iterator[Path]:
     without error, and removed in any case: an interrupted run leaves nothing half-written."""
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         yield tmp
         try:
             tmp.rename(final)
         except OSError:  # another process finished the same cache first: keep theirs
             if not (final / "meta.json").is_file():
                 raise
+    except OSError as err:
+        if err.errno not in _FULL_DISK:
+            raise
+        raise OSError(err.errno, f"could not write the token cache {final} "
+                      f"({err.strerror or err}); free space, or set --data.corpus.cache_dir "
+                      "(or $GPTMINI_CACHE) to a disk with room") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+"""The OS errors of a disk that cannot take the cache (an OS error names no file)."""
 
 
 def _write_splits(spec: CorpusSpec, directory: Path, cache_root: Path, tokenizer: str,

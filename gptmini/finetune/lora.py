@@ -115,8 +115,8 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
     block with `LoRALinear` adapters, which alone train. In place; returns `model`.
 
     Raises:
-        ValueError: a rank below 1, a negative alpha, a dropout outside [0, 1), an unknown
-            target, or a model that already has adapters.
+        ValueError: a rank below 1 or wider than a target layer, a negative alpha, a dropout
+            outside [0, 1), an unknown target, or a model that already has adapters.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora_rank={rank!r}: use a positive integer such as 8")
@@ -126,8 +126,20 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
     targets = check_targets(targets)
     if lora_layers(model):
         raise ValueError("the model already has LoRA adapters: merge them (merge_lora) first")
+    layers = _target_layers(model, targets)
+    for parent, name in layers:
+        layer = getattr(parent, name)
+        widest = min(layer.in_features, layer.out_features)
+        if rank > widest:  # past the layer's own rank: more weights, no more expressive
+            raise ValueError(
+                f"lora_rank={rank} is wider than the {name} layers ({layer.in_features} in, "
+                f"{layer.out_features} out), whose updates have rank {widest} at most: its "
+                f"adapters would hold {rank * (layer.in_features + layer.out_features):,} "
+                f"weights against the layer's {layer.in_features * layer.out_features:,}; use "
+                f"a rank of {widest} or less (LoRA's point is far less, such as "
+                f"{max(1, widest // 8)})")
     model.requires_grad_(False)
-    for parent, name in _target_layers(model, targets):
+    for parent, name in layers:
         setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout))
     return model
 

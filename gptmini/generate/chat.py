@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TextIO
 
-from gptmini.chat import ChatDataError, ChatTemplate, render_chat
+from gptmini.chat import ChatDataError, ChatTemplate, ChatTemplateError, render_chat
 from gptmini.generate.engine import Engine
 from gptmini.generate.sampling import SamplingParams
 
@@ -103,7 +103,14 @@ class ChatSession:
 def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO,
               prompt: str = "") -> int:
     """Converse over `lines` (stdin's), writing each reply to `out` as it comes, then a
-    newline; `prompt` is written before each line is read (a terminal's "> "). Returns 0."""
+    newline; `prompt` is written before each line is read (a terminal's "> "). Returns 0.
+
+    A message the template refuses, or one too long, is answered in parentheses and the
+    conversation goes on.
+
+    Raises:
+        ChatTemplateError: the template failed by itself (every message would).
+    """
     lines = iter(lines)
     while True:
         out.write(prompt)
@@ -125,6 +132,8 @@ def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO,
             for piece in session.reply(text):
                 out.write(piece)
                 out.flush()
+        except ChatTemplateError:
+            raise  # the template fails by itself: every message would (generate.py says so)
         except ChatDataError as err:
             out.write(f"({err})")
         if session.forgotten > forgotten:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from gptmini.chat import template_for
+from gptmini.chat import ChatTemplateError, template_for
 from gptmini.checkpoint import load_on_device
 from gptmini.generate.batch_file import BATCH_SETTINGS, generate_batch
 from gptmini.generate.chat import ChatSession, chat_loop
@@ -153,7 +153,11 @@ def chat_main(session: ChatSession, *, carried: bool) -> int:
     name = session.template.name
     print(f"chat template {name!r}{template_note(name, carried)}; /reset starts over, "
           "/exit or Ctrl-D ends", file=sys.stderr, flush=True)
-    return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    try:
+        return chat_loop(session, sys.stdin, sys.stdout, "> " if interactive else "")
+    except ChatTemplateError as err:  # every message would fail alike: end, naming it
+        print(f"generate.py: error: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 def template_note(name: str, carried: bool) -> str:

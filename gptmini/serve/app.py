@@ -40,7 +40,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from gptmini.chat import ChatDataError, ChatTemplate, render_chat, template_for
+from gptmini.chat import (
+    ChatDataError,
+    ChatTemplate,
+    ChatTemplateError,
+    render_chat,
+    template_for,
+)
 from gptmini.generate.engine import Engine, Request
 from gptmini.generate.sampling import RequestError, held_back
 from gptmini.serve.engine_thread import EngineLoop, Ticker
@@ -203,7 +209,8 @@ async def chat_completions(request: HTTPRequest):
 def render_messages(state: ServerState, call: ChatRequest) -> tuple[list[int], tuple[int, ...]]:
     """The conversation's ids, ending with the opening of the assistant's turn, and the ids
     its reply stops at, by the model's template; a 400 naming messages (or the max tokens
-    field) when they cannot be rendered or leave no room for a reply."""
+    field) when they cannot be rendered or leave no room for a reply, a 500 naming the
+    template when it fails by itself."""
     template = state.chat_template
     if isinstance(template, str):
         raise APIError(400, template, "messages")
@@ -212,6 +219,8 @@ def render_messages(state: ServerState, call: ChatRequest) -> tuple[list[int], t
         ids = render_chat(call.messages, enc, template, add_generation_prompt=True,
                           mask=False, where="request").ids
         stop_ids = tuple(template.stop_ids(enc))
+    except ChatTemplateError as err:  # the server's template is at fault, not the request
+        raise APIError(500, str(err), kind="server_error") from None
     except ChatDataError as err:
         raise APIError(400, str(err), "messages") from None
     context, asked = state.engine.context, call.sampling.max_new_tokens

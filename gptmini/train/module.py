@@ -294,6 +294,7 @@ class GPTLitModule(L.LightningModule):
         checkpoint["rng_states"] = every_rank_states(self.trainer.world_size)
 
     def on_load_checkpoint(self, checkpoint: dict):
+        self.weights.check_resume(checkpoint)  # before Lightning loads its weights
         check_base(checkpoint, self.base_fingerprint, self.hparams.init_from)
         check_same_model(checkpoint, self.cfg)
         total = self._total_steps()

@@ -141,13 +141,18 @@ def plan_source(config, checkpoint: dict, given: Collection[str]) -> Source | No
     checkpoint: the source may be gone). A model setting given that contradicts it is
     refused, naming both values; the settings not given take the source's."""
     model = config.model
-    if not model.init_from:
+    if model.init_from is None:
         return None
+    if not str(model.init_from).strip():
+        raise ValueError(f"--model.init_from {model.init_from!r} names no model: give the .ckpt "
+                         "or Hugging Face directory to fine-tune, or leave init_from out "
+                         "(null) to train from scratch")
     if checkpoint:
         saved = tokenizer_from_dict(tokenizer_entry(checkpoint), "the checkpoint")
         source = Source.resumed(model.init_from, checkpoint, saved.n_vocab)
     else:
         source = Source.read(model.init_from)
+        check_source_head(source, config.data.labels)
     cfg = source.config
     contradicting = contradictions(cfg, {f: model[f] for f in given if f in CONFIG_FIELDS})
     if contradicting:
@@ -163,6 +168,18 @@ def plan_source(config, checkpoint: dict, given: Collection[str]) -> Source | No
             model[field] = value
     config.data.windows.max_length = model.context_length  # the link, once more
     return source
+
+
+def check_source_head(source: Source, labels) -> None:
+    """A classifier's head scores its classes, not tokens: only a classification run may
+    start from one (its head is replaced), never a language-model fine-tune."""
+    if source.classes and not (labels.task or labels.label_field):
+        raise ValueError(
+            f"--model.init_from {source.path} is a classifier (classes "
+            f"{', '.join(source.classes)}): its head scores classes, not tokens, so a "
+            "language model cannot be fine-tuned from it; start from the language model it "
+            "was tuned from, or fine-tune it as a classifier (--data.labels.label_field or "
+            "--data.labels.task)")
 
 
 def plan_tokenizer(config, checkpoint: dict, source: Source | None, given: Collection[str],
@@ -240,6 +257,12 @@ def plan_classes(config) -> tuple[str, ...] | None:
             raise ValueError("--model.classes needs labelled data: set "
                              "--data.labels.label_field (or --data.labels.task)")
         return None
+    if model.classes and labels.classes and list(model.classes) != list(labels.classes):
+        raise ValueError(f"--model.classes {list(model.classes)} and --data.labels.classes "
+                         f"{list(labels.classes)} differ: give the classes once, as "
+                         "--data.labels.classes")
+    if not labels.classes and model.classes:  # either flag names them
+        labels.classes = list(model.classes)
     if not labels.classes:
         data = GPTDataModule(Corpus(**config.data.corpus.as_dict()),
                              labels=Labels(**labels.as_dict()))
@@ -311,7 +334,16 @@ def plan_posttraining(config, say: Say) -> VerifiableTask | None:
 
 
 def save_template(template: ChatTemplate, path: Path) -> Path:
-    """Write `template` where `--data.chat.template` can name it (a .json file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(template.to_dict()))
+    """Write `template` where `--data.chat.template` can name it (a .json file).
+
+    Raises:
+        OSError: the file could not be written (a full disk), naming it.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(template.to_dict()))
+    except OSError as err:  # the OS error does not name the file
+        raise OSError(err.errno, f"could not write the chat template {path} "
+                      f"({err.strerror or err}); free space or fix the disk, then run again"
+                      ) from err
     return path

@@ -40,12 +40,14 @@ class Source:
         tokenizer: its vocabulary; None when resuming (the run's checkpoint holds it).
         chat_template: the template it was tuned with (a chat fine-tune's checkpoint, a
             directory's chat_template), or None.
+        classes: a classifier's class names (its head scores them, not tokens), or None.
     """
 
     path: str
     config: GPTConfig
     tokenizer: tiktoken.Encoding | None
     chat_template: ChatTemplate | None
+    classes: tuple[str, ...] | None = None
 
     @classmethod
     def read(cls, path: str) -> "Source":
@@ -56,11 +58,13 @@ class Source:
         """
         config, tokenizer = model_source(path)
         if Path(path).is_dir() and not is_sharded(path):  # a Hugging Face directory
-            template = directory_template(path, tokenizer)
-        else:
-            entry = read_checkpoint(path, "cpu", mmap=True, weights=False).get("chat_template")
-            template = ChatTemplate.from_dict(entry) if entry else None
-        return cls(str(path), config, tokenizer, template)
+            return cls(str(path), config, tokenizer, directory_template(path, tokenizer))
+        checkpoint = read_checkpoint(path, "cpu", mmap=True, weights=False)
+        entry = checkpoint.get("chat_template")
+        classes = checkpoint["hyper_parameters"].get("classes")
+        return cls(str(path), config, tokenizer,
+                   ChatTemplate.from_dict(entry) if entry else None,
+                   tuple(classes) if classes else None)
 
     @classmethod
     def resumed(cls, path: str, checkpoint: dict, n_vocab: int) -> "Source":

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptmini.attention import AttentionContext
-from gptmini.model import GPTConfig
-from gptmini.model.mixers import TokenMixer
+from gptmini.model import ConfigError, GPTConfig
+from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
 
 __all__ = ["CHUNK_SIZE", "CONV_KERNEL", "DeltaNet", "DeltaNetState", "GatedDeltaNet",
            "GatedDeltaNetLayer", "chunked_delta_rule", "recurrent_delta_rule"]
@@ -346,6 +346,18 @@ class DeltaNet(TokenMixer):
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> "DeltaNet":
+        # Its state holds every token seen: a window given to its layers would be stored in
+        # the config and never applied.
+        kinds = layer_mixer_names(cfg)
+        windowed = [i for i, name in enumerate(kinds)
+                    if MIXERS[name] is cls and cfg.window_of(i) is not None]
+        if windowed:
+            field = "window_size" if cfg.layer_windows is None else "layer_windows"
+            example = [None if i in windowed else cfg.window_of(i) for i in range(len(kinds))]
+            raise ConfigError(field, getattr(cfg, field), f"layer {windowed[0]} is Gated "
+                              "DeltaNet, which applies no window (its state holds every token "
+                              f"it saw): give its layers None, layer_windows={example}"
+                              + (" and window_size None" if field == "window_size" else ""))
         return cls(cfg)
 
     def make_module(self, layer: int, position_scheme) -> GatedDeltaNetLayer:

@@ -265,6 +265,18 @@ class LatentAttention(TokenMixer):
                 "qk_nope_head_dim": cfg.mla_qk_nope_head_dim or head_dim,
                 "qk_rope_head_dim": cfg.mla_qk_rope_head_dim or max(2, head_dim // 2),
                 "v_head_dim": cfg.mla_v_head_dim or head_dim}
+        for field, rank, heads in (
+                ("mla_kv_lora_rank", dims["kv_lora_rank"],
+                 dims["qk_nope_head_dim"] + dims["v_head_dim"]),
+                ("mla_q_lora_rank", dims["q_lora_rank"],
+                 dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"])):
+            widest = cfg.n_heads * heads  # what the latent compresses, per token
+            if rank is not None and rank > widest:
+                raise ConfigError(field, rank, f"a latent wider than the {cfg.n_heads} heads "
+                                  f"x {heads} dimensions it compresses ({widest} per token) "
+                                  f"caches and computes more than attention would; use at "
+                                  f"most {widest}, far less for a saving (e.g. "
+                                  f"{max(1, widest // 4)})")
         mixer = cls(cfg, dims)
         try:
             mixer.scheme_of(cfg.position_scheme())

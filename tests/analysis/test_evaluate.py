@@ -17,6 +17,7 @@ from gptmini.analysis.evaluate import (
     score_choices,
     score_text,
 )
+from gptmini.finetune import add_class_head
 from gptmini.tokenizer import get_tokenizer
 
 BYTE = get_tokenizer("byte")
@@ -300,3 +301,33 @@ def test_every_count_of_the_confusion_table_ends_under_its_class(classes):
     assert all(row == ends[0] for row in ends), "\n".join(lines)
     assert [line.split()[-k:] for line in lines[1:]] == [[str(n) for n in row]
                                                          for row in confusion]
+
+
+def classifier_checkpoint(path: Path, classes: list[str], context_length: int = 8) -> Path:
+    model = add_class_head(make_model(vocab_size=257, context_length=context_length),
+                           len(classes))
+    save_checkpoint(model, path, tokenizer="byte")
+    saved = torch.load(path, weights_only=True)
+    saved["hyper_parameters"]["classes"] = classes
+    torch.save(saved, path)
+    return path
+
+
+def test_a_classifier_on_labels_it_never_learned_names_the_file_and_evaluates_fix(
+        tmp_path, capsys):
+    """Not train.py's --model.classes (issue 48): the classifier's classes are fixed."""
+    ckpt = classifier_checkpoint(tmp_path / "c.ckpt", ["ham", "spam"])
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"text": "hi " * 9, "label": label}) + "\n"
+                            for label in ("ham", "eggs")))
+    assert evaluate_main(["--checkpoint", str(ckpt), "--data", str(data),
+                          "--label_field", "label"]) == 1
+    err = capsys.readouterr().err
+    assert f"{data} has labels ['eggs'] that are not among the model's classes" in err
+    assert "score records of them (drop or relabel the others)" in err
+    assert "--model.classes" not in err and "--data.labels" not in err
+    data.write_text(json.dumps({"text": "hi " * 9, "label": "ham"}) + "\n")
+    assert evaluate_main(["--checkpoint", str(ckpt), "--data", str(data),
+                          "--label_field", "label"]) == 0
+    assert ("1 examples (1 longer than the context of 8 tokens, classified from their start"
+            in capsys.readouterr().out)

@@ -332,6 +332,22 @@ def test_kv_cache_with_autograd_concatenates_so_gradients_reach_earlier_keys():
 # --- bad input ---------------------------------------------------------------------------
 
 
+def test_a_window_cache_holds_window_minus_one_keys_where_the_books_holds_the_window():
+    """The book's sliding-window KV cache keeps `window_size` keys after a prefill; ours keeps
+    the window - 1 a next query can see beside its own key (docs/attention.md says so
+    beside the book's): 3 for a window of 4, and the same outputs as no cache at all."""
+    torch.manual_seed(0)
+    mha = make_mha(3, 4, 16, 0.0, 2, window_size=4).double()
+    x = torch.cat([BATCH, torch.rand(2, 1, 3)], dim=1).double()  # the book's 6 words, 1 more
+    cache = WindowKVCache(4)
+    with torch.no_grad():
+        prefill = mha(x[:, :6], kv_cache=cache)
+        assert (cache.num_held, len(cache)) == (3, 6)
+        step = mha(x[:, 6:], kv_cache=cache)
+        whole = mha(x)
+    torch.testing.assert_close(torch.cat([prefill, step], dim=1), whole, atol=1e-12, rtol=0)
+
+
 def test_bad_input_gives_clear_errors():
     with pytest.raises(ValueError, match="num_heads=.* is invalid: it must divide the width"):
         MultiHeadAttention(8, 10, 16, 0.0, num_heads=3)

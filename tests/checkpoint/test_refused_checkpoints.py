@@ -7,6 +7,7 @@ import torch
 
 from gptmini.checkpoint import load_checkpoint, load_on_device, write_model_entries
 from gptmini.convert import export_hf
+from gptmini.finetune import add_class_head
 from gptmini.generate.command import generate_main
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import get_tokenizer, train_bpe
@@ -81,6 +82,23 @@ def test_generate_py_says_so_in_one_line(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "W_query.weight (1 of 256 values)" in err and "Traceback" not in err
+
+
+def test_a_classifier_writes_no_text_and_says_what_scores_it(tmp_path, capsys):
+    """Its head scores 2 classes: sampling from it gave class ids as text ('\\x00\\x01')
+    in generate.py and serve.py's /v1/completions (issue 48); both load through here."""
+    path = saved(tmp_path / "spam.ckpt", add_class_head(model_of(257), 2),
+                 get_tokenizer("byte"), "byte")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["hyper_parameters"]["classes"] = ["ham", "spam"]
+    torch.save(ckpt, path)
+    assert load_checkpoint(path).model.out_head.out_features == 2  # evaluate.py reads it
+    with pytest.raises(ValueError, match=r"spam.ckpt is a classifier \(classes ham, spam\): "
+                                         r"its head scores classes, not tokens.*evaluate.py"):
+        load_on_device(path, "cpu", "float32")
+    with pytest.raises(SystemExit):
+        generate_main(["--checkpoint", str(path), "--max_new_tokens", "2"])
+    assert "is a classifier" in capsys.readouterr().err
 
 
 def test_a_hugging_face_directory_with_nan_weights_is_refused(tmp_path):

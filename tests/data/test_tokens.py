@@ -1,5 +1,6 @@
 """The token cache: splits, hits and misses, parallel tokenizing, empty corpora."""
 
+import errno
 import json
 import logging
 import os
@@ -176,3 +177,31 @@ def test_a_50_mb_single_line_corpus_tokenizes_in_bounded_memory_to_the_same_ids(
     grew, same = proc.stdout.split()
     assert same == "True"
     assert int(grew) <= 300 * 2**20, f"{int(grew) / 2**20:.0f} MB above the baseline"
+
+
+def test_a_full_disk_under_the_token_cache_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    """The OS error names no file ("[Errno 28] No space left on device", issue 48): the
+    message names the cache and the setting that moves it; no half-written cache stays."""
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tokens_module, "open", lambda *a, **k: FullDisk(open(*a, **k)),
+                        raising=False)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(words(300, 0))
+    with pytest.raises(OSError, match=r"could not write the token cache .*cache.* \(No space "
+                                      r"left on device\); free space, or set "
+                                      r"--data.corpus.cache_dir") as caught:
+        tokens_of(corpus, tmp_path / "cache")
+    assert caught.value.errno == errno.ENOSPC
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

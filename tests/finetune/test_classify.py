@@ -43,3 +43,22 @@ def test_accuracy_and_the_confusion_table_by_hand():
     accuracy, confusion = accuracy_and_confusion(predicted, labels, 3)
     assert accuracy == 4 / 6
     assert confusion.tolist() == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
+
+
+def test_the_books_position_minus_one_reads_padding_where_the_last_real_token_does_not():
+    """The book's chapter 6 reads `logits[:, -1, :]` of batches padded to the longest text
+    (its SpamDataset pads with <|endoftext|>): a shorter text is classified at a pad. Ours
+    reads each row's last real token; docs/finetuning.md says so beside the book's 95.67%."""
+    torch.manual_seed(0)
+    model = add_class_head(GPTModel(GPTConfig(vocab_size=50, context_length=8, emb_dim=16,
+                                              n_heads=2, n_layers=2, drop_rate=0.0)), 2)
+    model = model.double().eval()
+    short = torch.tensor([5, 6, 7])
+    ids = torch.tensor([[5, 6, 7, 49, 49, 49]])  # right-padded, as both pad for training
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0]])
+    with torch.no_grad():
+        alone = model(short[None])[0, -1]
+        book = model(ids)[0, -1]
+        ours = class_logits(model, ids, mask)[0]
+    torch.testing.assert_close(ours, alone, atol=1e-12, rtol=0)
+    assert not torch.allclose(book, alone, atol=1e-3)

@@ -1,17 +1,22 @@
 """LoRA: merged equals unmerged, only adapters get gradients, the default targets' share,
 and an adapter checkpoint that loads onto its base and refuses another."""
 
+import math
+
 import pytest
 import torch
+from torch import nn
 
 from gptmini.finetune import (
+    LORA_TARGETS,
     LoRALinear,
+    add_class_head,
     add_lora,
     count_parameters,
     lora_layers,
     merge_lora,
 )
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel
 
 QWEN3_BLOCKS = dict(vocab_size=97, context_length=16, emb_dim=32, n_heads=4, n_layers=2,
                     drop_rate=0.0, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
@@ -79,3 +84,27 @@ def test_a_layer_keeps_the_bases_names_and_bad_settings_are_named():
         add_lora(GPTModel(GPTConfig(**QWEN3_BLOCKS)), rank=0, alpha=1.0)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         add_lora(model, rank=2, alpha=1.0)
+
+
+def test_the_books_count_and_draw_beside_ours():
+    """The book's appendix E adapts every nn.Linear of its chapter 6 classifier, the class
+    head included: its printed 2,666,528 trainable at rank 16. Ours adapts the blocks'
+    layers and trains the 2-class head whole (its 1,538 weights; the book's adapters on it
+    would be 12,320). Its A is kaiming_uniform_(a=sqrt(5)) on an (in, rank) tensor, whose
+    fan-in is the rank: bound 1/sqrt(16) = 0.25; ours draws as nn.Linear(in, rank) does,
+    as PEFT's: 1/sqrt(768) = 0.036. docs/finetuning.md says why."""
+    with torch.device("meta"):
+        model = add_class_head(GPTModel(GPTConfig(**GPT_CONFIG_124M)), 2)
+    book = sum(16 * (m.in_features + m.out_features) for m in model.modules()
+               if isinstance(m, nn.Linear))
+    assert book == 2_666_528
+    add_lora(model, rank=16, alpha=16.0, targets=LORA_TARGETS)
+    model.out_head.requires_grad_(True)  # what the classification task does
+    assert count_parameters(model)[0] == 2_654_208 + 1_538
+
+    torch.manual_seed(0)
+    book_a = torch.empty(768, 16)  # the book's LoRALayer: self.A = torch.empty(in_dim, rank)
+    nn.init.kaiming_uniform_(book_a, a=math.sqrt(5))
+    ours = LoRALinear(nn.Linear(768, 768), rank=16, alpha=16.0).lora_A
+    assert 0.24 < book_a.abs().max() <= 0.25
+    assert 0.035 < ours.abs().max() <= 1 / math.sqrt(768)

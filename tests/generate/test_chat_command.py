@@ -118,3 +118,19 @@ def test_a_pretrained_checkpoint_is_said_to_fall_back_to_the_books_prompt(tmp_pa
     assert generate_main(["--checkpoint", str(path), "--chat"]) == 0
     assert "'book' (the book's instruction prompt: this checkpoint has no chat template of " \
            "its own" in capsys.readouterr().err
+
+
+def test_a_template_that_fails_by_itself_ends_the_chat_naming_it(checkpoint, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Every message would fail the same way: one line naming the template, exit 1 (before,
+    a raw ZeroDivisionError)."""
+    saved = torch.load(checkpoint, weights_only=False)
+    saved["chat_template"] = {**GPTMINI.to_dict(), "name": "divides",
+                              "source": "{{ messages | length / 0 }}"}
+    broken = tmp_path / "broken.ckpt"
+    torch.save(saved, broken)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nAgain\n"))
+    assert generate_main(["--checkpoint", str(broken), "--chat"]) == 1
+    err = capsys.readouterr().err
+    assert "chat template 'divides' failed while rendering it (ZeroDivisionError" in err
+    assert "Traceback" not in err

@@ -15,7 +15,13 @@ httpx = pytest.importorskip("httpx")
 from helpers import scripted_model  # noqa: E402
 from test_page import serve  # noqa: E402
 
-from gptmini.chat import BOOK, GPTMINI, add_template_tokens, render_chat  # noqa: E402
+from gptmini.chat import (  # noqa: E402
+    BOOK,
+    GPTMINI,
+    ChatTemplate,
+    add_template_tokens,
+    render_chat,
+)
 from gptmini.generate.engine import Engine  # noqa: E402
 from gptmini.serve.app import choice_seed, create_app  # noqa: E402
 from gptmini.tokenizer import byte_tokenizer  # noqa: E402
@@ -164,6 +170,10 @@ def test_the_second_turn_prefills_only_its_new_tokens(client, served):
     ({"temperature": -1}, "temperature", "temperature"),
     ({"prompt": "x"}, "unsupported field 'prompt'", "prompt"),
     ({"tools": [{"type": "function"}]}, "not supported", "tools"),
+    ({"messages": [*TURN1, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "user", "content": "And?"}]},
+     "messages[2].tool_calls: tool calls are not supported", "messages"),  # not dropped
 ])
 def test_bad_requests_are_400s_naming_the_field(served, body, message, param):
     url, engine = served
@@ -173,6 +183,23 @@ def test_bad_requests_are_400s_naming_the_field(served, body, message, param):
     assert answer.status_code == 400 and message in error["message"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert not engine.has_work
+
+
+def test_a_template_that_fails_by_itself_is_a_500_naming_it(model):
+    """The server's template is at fault, not the request: a 500 in OpenAI's shape that
+    names it (before, an unhandled ZeroDivisionError)."""
+    broken = ChatTemplate("divides-by-zero", "{{ 1 / 0 }}", stop=GPTMINI.stop)
+    url, stop = serve(create_app(Engine(model, ENC, block_size=4), "tiny",
+                                 chat_template=broken))
+    try:
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                            json={"messages": TURN1})
+    finally:
+        stop()
+    error = answer.json()["error"]
+    assert answer.status_code == 500 and error["type"] == "server_error"
+    assert "chat template 'divides-by-zero' failed while rendering it (ZeroDivisionError" in (
+        error["message"])
 
 
 def test_the_openai_client_raises_the_400_and_an_unknown_model_is_a_404(client):

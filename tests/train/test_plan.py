@@ -2,7 +2,10 @@
 objects, a data module built in Python picks what train.py picks, and "auto" is one rule,
 the source model's own template first."""
 
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from gptmini.data.chat import Chat
 from gptmini.data.labels import Labels
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.train.command import build_cli
+from gptmini.train.plan import save_template
 
 ALPACA = [{"instruction": "Name a colour.", "input": "", "output": "Blue."}] * 40
 CHAT = [{"messages": [{"role": "user", "content": "Hi"},
@@ -91,3 +95,26 @@ def test_the_model_and_data_objects_are_no_flags_and_print_config_stays_a_config
     assert "chat_template" not in printed
     with pytest.raises(SystemExit):
         build_cli(["--model.encoding", "gpt2"])
+
+
+def test_either_classes_flag_orders_the_head_and_two_that_differ_are_refused(tmp_path):
+    """--model.classes used to be overwritten by the training records' labels (issue 48)."""
+    path = tmp_path / "labelled.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"text {i}", "label": "ab"[i % 2]})
+                              for i in range(40)))
+    args = tiny_args(tmp_path, path, "--data.labels.label_field", "label")
+    for flag in ("--model.classes", "--data.labels.classes"):
+        assert build_cli([*args, flag, "[b, a]"]).plan.classes == ("b", "a")
+    with pytest.raises(ValueError, match="--model.classes .* and --data.labels.classes .* "
+                                         "differ"):
+        build_cli([*args, "--model.classes", "[b, a]", "--data.labels.classes", "[a, b]"])
+
+
+def test_a_chat_template_that_cannot_be_saved_is_named(tmp_path, monkeypatch):
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    path = tmp_path / "run" / "chat_template.json"
+    with pytest.raises(OSError, match=f"could not write the chat template {path} \\(No space"):
+        save_template(GPTMINI, path)

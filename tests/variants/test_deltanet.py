@@ -4,6 +4,7 @@ transformers' Qwen3NextGatedDeltaNet with the same weights, and its state is its
 import pytest
 import torch
 
+from gptmini.model import GPTConfig
 from gptmini.variants.deltanet import (
     DeltaNetState,
     GatedDeltaNet,
@@ -115,6 +116,19 @@ def test_right_padding_leaves_the_state_as_the_real_tokens_left_it():
 def test_the_state_refuses_to_drop_tokens():
     with pytest.raises(ValueError, match="slide='recompute'"):
         DeltaNetState().drop_oldest(1)
+
+
+def test_a_window_on_a_deltanet_layer_is_refused_not_stored():
+    """Gated DeltaNet applies no window: one given to its layer would be kept in the config
+    and never applied (issue 48); layer_windows gives it None instead."""
+    shape = dict(vocab_size=64, context_length=16, emb_dim=32, n_heads=2, n_layers=2,
+                 layer_kinds=["deltanet", "attention"])
+    with pytest.raises(ValueError, match=r"window_size=4 is invalid: layer 0 is Gated DeltaNet"
+                                         r".*layer_windows=\[None, 4\] and window_size None"):
+        GPTConfig(**shape, window_size=4)
+    with pytest.raises(ValueError, match="layer_windows=\\[4, 4\\] is invalid: layer 0"):
+        GPTConfig(**shape, layer_windows=[4, 4])
+    assert GPTConfig(**shape, layer_windows=[None, 4]).window_of(1) == 4
 
 
 # --- transformers' own implementation ------------------------------------------------------

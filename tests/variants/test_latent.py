@@ -238,6 +238,17 @@ def test_config_refuses_sinks_and_gate_that_mla_would_drop():
         tiny_config(attn_gate="elementwise")
 
 
+def test_config_refuses_a_latent_wider_than_what_it_compresses():
+    """4 heads x (8 + 6) = 56 dimensions of keys and values per token: a latent of 1000
+    would cache more than attention's own keys and values (issue 48)."""
+    with pytest.raises(ValueError, match="mla_kv_lora_rank=1000 is invalid: a latent wider "
+                                         r"than the 4 heads x 14 dimensions .*at most 56"):
+        tiny_config(mla_kv_lora_rank=1000)
+    with pytest.raises(ValueError, match="mla_q_lora_rank=49 .* at most 48"):
+        tiny_config(mla_q_lora_rank=49)
+    tiny_config(mla_kv_lora_rank=56, mla_q_lora_rank=48)
+
+
 def latent_cache_step(module, x_new, cache):
     """The kit's kv_step: MLA's own cache (latents and rotary keys) across calls."""
     cache = KVCache() if cache is None else cache
