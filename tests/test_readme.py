@@ -48,6 +48,9 @@ SKIPPED = {
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
+    "dpo-shakespeare": "DPO from the instruction-tuned checkpoint (minutes)",
+    "sft-addition": "fine-tunes the default run's checkpoint on addition (minutes)",
+    "grpo-addition": "GRPO from the fine-tune on addition (minutes)",
     "qwen3-0.6b": "needs the Qwen3 download",
     "bench_busy.py": "trains the default run several times, each compiled from an empty cache "
                      "(10-20 minutes)",
@@ -150,8 +153,11 @@ def check_output(command: str, stdout: str, cwd: Path) -> None:
     """What a command's output must show, beyond its exit status."""
     if command.startswith("curl"):
         assert json.loads(stdout)["choices"][0]["finish_reason"] in ("stop", "length")
-    if "evaluate.py" in command and "--choices" not in command:
-        assert "bits per byte" in stdout, stdout
+    if "evaluate.py" in command:
+        shown = {"--choices": "acc_norm", "--preference": "preference accuracy",
+                 "--task": "pass@1"}
+        wanted = next((said for flag, said in shown.items() if flag in command), "bits per byte")
+        assert wanted in stdout, stdout
     if "--batch_file prompts.txt" in command:
         assert (cwd / "results.jsonl").read_text().count("\n") == 4  # the four prompts
 

@@ -121,8 +121,8 @@ def plot_curves(
     figsize: tuple[float, float] = (8.0, 8.0),
     dpi: int = 100,
 ) -> Path:
-    """Train and validation loss (top), validation bits per byte (middle) and learning rate
-    (bottom) against optimizer steps.
+    """Train and validation loss (top), validation bits per byte (middle: or what `MIDDLE`
+    picks for the run) and learning rate (bottom) against optimizer steps.
 
     Args:
         run_dir: see `load_metrics`.
@@ -150,9 +150,7 @@ def plot_curves(
     fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
     loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
     _plot_losses(loss_ax, metrics)
-    # bits per byte compares runs whatever their tokenizers
-    _plot_or_say(bpb_ax, metrics, "val/bpb", "o-", color="tab:orange", ms=3.5, lw=1.5)
-    bpb_ax.set_ylabel("val bits per byte")
+    _plot_headline(bpb_ax, metrics)
     if _plot_or_say(lr_ax, metrics, "train/lr", color="tab:green", lw=1.2):
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     lr_ax.set_ylabel("learning rate")
@@ -169,6 +167,25 @@ def plot_curves(
     return save_png(fig, out)
 
 
+MIDDLE = (("val/bpb", "val bits per byte", None), ("val/accuracy", "val preference accuracy",
+          "val/margin"), ("val/acc", "val accuracy", None), ("val/pass_at_1", "val pass@1",
+                                                              "train/reward"))
+"""The middle panel, by what the run logged: bits per byte (which compares runs whatever
+their tokenizers), DPO's preference accuracy with its margin, a classifier's accuracy, or
+RL's held-out pass@1 with the mean reward of its samples."""
+
+
+def _plot_headline(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
+    """The middle panel (`MIDDLE`), and its second metric on the right-hand axis."""
+    name, label, second = next((m for m in MIDDLE if m[0] in metrics), MIDDLE[0])
+    _plot_or_say(ax, metrics, name, "o-", color="tab:orange", ms=3.5, lw=1.5)
+    ax.set_ylabel(label)
+    if second in metrics:
+        twin = ax.twinx()
+        twin.plot(*metrics[second], color="tab:purple", lw=1.0, alpha=0.8)
+        twin.set_ylabel(second.replace("/", " "), color="tab:purple")
+
+
 def _plot_losses(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
     """Train and validation loss, the best validation loss named in the panel's title."""
     if "train/loss" in metrics:
@@ -178,7 +195,8 @@ def _plot_losses(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
         ax.plot(steps, values, "o-", ms=3.5, lw=1.5, label="val loss")
         best = min(range(len(values)), key=values.__getitem__)
         ax.set_title(f"best val loss {values[best]:.3f} at step {steps[best]}", fontsize=10)
-    ax.set_ylabel("cross-entropy (nats/token)")
+    objective = "train/margin" in metrics or "train/reward" in metrics  # DPO's, GRPO's
+    ax.set_ylabel("loss" if objective else "cross-entropy (nats/token)")
     ax.legend()
 
 

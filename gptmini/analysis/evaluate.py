@@ -40,11 +40,12 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
+from gptmini.analysis.verifiable import score_task
 from gptmini.chat import ChatTemplate, template_for
 from gptmini.checkpoint import load_checkpoint
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
-from gptmini.data.chat import read_records as read_chat_records
-from gptmini.data.chat import render_records, split_records
+from gptmini.data.chat import read_chat_records, render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits
@@ -496,6 +497,18 @@ def evaluate_parser() -> argparse.ArgumentParser:
                              "with no value the test split of the run's chat records (the "
                              "book's 10%% for other checkpoints), or a .jsonl/.json file of "
                              "chat or Alpaca records")
+    parser.add_argument("--preference", nargs="?", const="auto", default=None,
+                        help="score preference pairs (accuracy, mean margin): with no value "
+                             "the test split of the run's pairs (the book's 10%% for other "
+                             "checkpoints), or a .jsonl/.json file of pairs")
+    parser.add_argument("--reference", default=None,
+                        help="with --preference: the model the margins are measured against "
+                             "(a checkpoint, or none for the model's own log-probability "
+                             "margins); default: a preference run's starting weights")
+    parser.add_argument("--task", nargs="?", const="auto", default=None,
+                        help="score pass@1 on a verifiable task's held-out prompts (greedy, "
+                             "one try each): with no value the run's RL task, or addition, "
+                             "reverse, count")
     parser.add_argument("--split", default="validation", help="the hub dataset's split")
     parser.add_argument("--limit", type=int, default=None, help="score the first N examples")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -526,6 +539,16 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             return say(f"{name}: {score.examples:,} examples\n"
                        f"acc {score.acc:.4f}  acc_norm {score.acc_norm:.4f}")
         hparams = run_data_settings(args.checkpoint)
+        if args.data is None and args.responses is None and args.task is None:
+            # a run on pairs or a task: what it was tuned for, by default
+            args.preference = args.preference or ("auto" if hparams.get("preference") else None)
+            args.task = "auto" if hparams.get("rl") else None
+        if args.preference is not None:
+            return _print_preferences(model, tokenizer, loaded_hparams, args)
+        if args.task is not None:
+            score, name = score_task(model, tokenizer, template_for(tokenizer, loaded_hparams),
+                                     args.task, loaded_hparams, hparams, args.limit)
+            return say(f"{name}\npass@1 {score:.4f}")
         if args.responses is None and args.data is None and hparams.get("records"):
             args.responses = "auto"  # a run on chat records: its held-out responses
         if args.responses is not None:
@@ -575,6 +598,24 @@ def _print_responses(model: nn.Module, tokenizer: Encoding, hparams: dict,
     print(f"{name}, template {template.name}: {score.responses:,} responses, "
           f"{score.tokens:,} tokens, {score.bytes:,} bytes{skipped}\n"
           f"response loss {score.loss:.4f}  bits per byte {score.bpb:.4f}")
+    return 0
+
+
+def _print_preferences(model: nn.Module, tokenizer: Encoding, hparams: dict,
+                       args: argparse.Namespace) -> int:
+    template = template_for(tokenizer, hparams)
+    pairs, skipped, name = held_out_pairs(args.preference, run_data_settings(args.checkpoint),
+                                          tokenizer, template, model.cfg.context_length)
+    pairs.pairs = pairs.pairs[:args.limit]
+    reference, against = reference_model(args.reference, hparams, model)
+    dpo = hparams.get("dpo") or {}
+    beta, variant = dpo.get("beta", 0.1), dpo.get("variant", "paper")
+    accuracy, margin = score_preferences(model, pairs, reference=reference, beta=beta,
+                                         average=variant == "book", batch_size=args.batch_size)
+    left = f", {skipped:,} left out (too long, or the same twice)" if skipped else ""
+    how = f"{against}, beta {beta}, {variant}" if reference is not None else against
+    print(f"{name}, template {template.name}: {len(pairs):,} pairs{left}; {how}\n"
+          f"preference accuracy {accuracy:.4f}  mean margin {margin:.4f}")
     return 0
 
 

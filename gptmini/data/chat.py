@@ -1,7 +1,9 @@
 """Instruction and chat records to training examples, packed or padded.
 
 Records are read as chat messages by `gptmini.chat` (OpenAI's chat records or the book's
-Alpaca records; `--data.chat.records book` is the book's 1,100). Each conversation is
+Alpaca records; `--data.chat.records book` is the book's 1,100), or are worked examples of a
+verifiable task (`task:addition`: its prompts with their right answers, the fine-tune
+before GRPO; never the prompts an RL run of the task holds out). Each conversation is
 rendered once by its chat template (`gptmini.chat.render_chat`) into ids and the
 assistant's mask; the targets are -100 wherever the next token is not the assistant's, so
 the loss counts the responses alone. Examples then become rows either way:
@@ -17,6 +19,7 @@ bench/bench_chat.py measures both in useful (unpadded) tokens per second.
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import tiktoken
 import torch
@@ -24,6 +27,8 @@ from torch.utils.data import Dataset
 
 from gptmini.chat import ChatDataError, ChatTemplate, read_records, render_chat, to_messages
 from gptmini.chat.records import Record
+from gptmini.data.rl import RL
+from gptmini.data.verifiable import TASKS, load_task, split_problems
 
 
 @dataclass(frozen=True)
@@ -189,13 +194,33 @@ def split_records(records: list, shares: tuple[float, float, float]
     return records[:train_end], records[test_end:], records[train_end:test_end]
 
 
+TASK_RECORDS = 20_000
+"""Worked examples a `task:NAME` source draws (the chat split then cuts them)."""
+
+
+def read_chat_records(source: str | Path) -> list[Record]:
+    """The records --data.chat.records names: "book" or a file (`gptmini.chat.read_records`),
+    or "task:NAME" ("task:NAME:SIZE"): TASK_RECORDS worked examples of a shipped verifiable
+    task (`gptmini.data.verifiable`), drawn from seed 0 as an RL run draws its training
+    prompts, so that none is a prompt it holds out."""
+    if not str(source).startswith("task:"):
+        return read_records(source)
+    name, _, size = str(source)[len("task:"):].partition(":")
+    if name not in TASKS or (size and not size.isdigit()):
+        raise ValueError(f"chat records {source}: use task:NAME or task:NAME:SIZE with a "
+                         f"shipped task ({', '.join(TASKS)}) and a whole size")
+    task = load_task(name, size=int(size) if size else None)
+    train, _ = split_problems(task, TASK_RECORDS, RL().heldout, RL().seed)
+    return [(f"{source} #{i}", record) for i, record in enumerate(task.worked_from(train))]
+
+
 def chat_datasets(chat: Chat, tokenizer: tiktoken.Encoding, template: ChatTemplate,
                   max_length: int, seed: int = 0) -> tuple[Dataset, Dataset | None, str]:
     """(training rows, validation rows or None, a line saying what was read and dropped)."""
-    records = read_records(chat.records)
+    records = read_chat_records(chat.records)
     train, val, _ = split_records(records, chat.split)
     if chat.val_records is not None:
-        train, val = records, read_records(chat.val_records)
+        train, val = records, read_chat_records(chat.val_records)
     if not train:
         raise ValueError(f"chat records {chat.records}: no training records after the split "
                          f"{list(chat.split)} of {len(records)}")

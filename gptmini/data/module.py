@@ -10,10 +10,19 @@ import tiktoken
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca, read_records
-from gptmini.data.chat import Chat, chat_datasets
+from gptmini.chat import AUTO, ChatTemplate, choose_template, is_alpaca
+from gptmini.data.chat import Chat, chat_datasets, read_chat_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, Labels, cut_note, pad_batch
+from gptmini.data.preference import (
+    Preference,
+    RenderedPair,
+    is_book_layout,
+    preference_datasets,
+    read_pairs,
+)
+from gptmini.data.rl import RL, ProblemBatch, ProblemBatches, rl_datasets
 from gptmini.data.settings import Corpus, Loader, Windows, as_record
+from gptmini.data.verifiable import VerifiableTask
 from gptmini.data.windows import ResumableSampler
 from gptmini.tokenizer import get_tokenizer
 
@@ -46,12 +55,20 @@ class GPTDataModule(L.LightningDataModule):
         chat: fine-tuning on instruction or chat records instead of the corpus: rendered
             by a chat template, the loss on the assistant's tokens only, packed with
             document masks or padded (see `gptmini.data.chat`).
+        preference: preference tuning (DPO) on pairs of responses instead of the corpus:
+            (chosen inputs, chosen targets, rejected inputs, rejected targets) batches
+            (see `gptmini.data.preference`).
+        rl: reinforcement learning on a task whose answers a program checks: batches of
+            prompts (`ProblemBatch`, one loader item each), held-out prompts for pass@1
+            (see `gptmini.data.rl`).
         encoding: the tokenizer itself, as train.py's plan resolved it (not a flag); None:
             `corpus.tokenizer` names it.
-        chat_template: the template for `chat`'s records, as train.py's plan chose it (not
-            a flag); None: `chat.template` names it, "auto" chosen by the same rule
-            (`gptmini.chat.choose_template`; a data module built without a plan knows of
-            no source model, so "auto" picks by the records).
+        chat_template: the template for `chat`'s records (or `preference`'s, or `rl`'s
+            prompts), as train.py's plan chose it (not a flag); None: `chat.template` names
+            it, "auto" chosen by the same rule (`gptmini.chat.choose_template`; a data
+            module built without a plan knows of no source model, so "auto" picks by the
+            records).
+        verifier: `rl`'s task, as train.py's plan loaded it (not a flag); None: `rl` names it.
 
     `hparams` (a checkpoint's ``datamodule_hyper_parameters``) is one flat dict of the three
     parts' fields, as it was before they were grouped; `settings.from_record` reads it back.
@@ -66,17 +83,25 @@ class GPTDataModule(L.LightningDataModule):
         loader: Loader = Loader(),  # noqa: B008
         labels: Labels = Labels(),  # noqa: B008
         chat: Chat = Chat(),  # noqa: B008
+        preference: Preference = Preference(),  # noqa: B008
+        rl: RL = RL(),  # noqa: B008
         *,
         encoding: tiktoken.Encoding | None = None,
         chat_template: ChatTemplate | None = None,
+        verifier: VerifiableTask | None = None,
     ):
         super().__init__()
         self.corpus, self.windows, self.loader = corpus, windows, loader
-        self.labels, self.chat = labels, chat
-        if labels.active and chat.active:
-            raise ValueError("--data.labels and --data.chat are two kinds of fine-tune: set "
-                             "one (labels classify records; chat tunes on conversations)")
-        self.save_hyperparameters(as_record(corpus, windows, loader, labels, chat))
+        self.labels, self.chat, self.preference, self.rl = labels, chat, preference, rl
+        kinds = [f"--data.{name}" for name, part in (("labels", labels), ("chat", chat),
+                 ("preference", preference), ("rl", rl)) if part.active]
+        if len(kinds) > 1:
+            raise ValueError(f"{' and '.join(kinds)} are different kinds of fine-tune: set one "
+                             "(labels classify records; chat tunes on conversations; "
+                             "preference on pairs of responses; rl on a checked task)")
+        self.save_hyperparameters(as_record(corpus, windows, loader, labels, chat, preference,
+                                            rl))
+        self.verifier = verifier
         self._tokenizer = encoding
         self.chat_template = chat_template
         """The template of a fine-tune on records (checkpoints carry it); None until set
@@ -102,8 +127,13 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (Lightning calls this on one process per node)."""
-        if not (self.labels.active or self.chat.active):  # records are read in setup
+        if not self.on_records:  # records are read in setup
             self.corpus.tokens(quiet=False)
+
+    @property
+    def on_records(self) -> bool:
+        """Whether the run reads records (labels, chat, pairs, prompts), not the corpus."""
+        return any(p.active for p in (self.labels, self.chat, self.preference, self.rl))
 
     def labelled_splits(self) -> tuple[LabeledRecords, LabeledRecords]:
         """(training, validation) records of a classification run (see `Labels.splits`)."""
@@ -150,12 +180,38 @@ class GPTDataModule(L.LightningDataModule):
         """The datasets of a fine-tune on records (see `gptmini.data.chat`)."""
         enc = self.tokenizer
         if self.chat_template is None:
-            alpaca = self.chat.template == AUTO and is_alpaca(read_records(self.chat.records))
+            alpaca = self.chat.template == AUTO and is_alpaca(read_chat_records(self.chat.records))
             self.chat_template = choose_template(self.chat.template, enc, alpaca=alpaca)
         self.train_dataset, self.val_dataset, said = chat_datasets(
             self.chat, enc, self.chat_template, self.windows.max_length, self.loader.seed)
         if self.trainer is None or self.trainer.is_global_zero:
             print(said, flush=True)
+
+    def _template(self, name: str, alpaca: bool) -> ChatTemplate:
+        if self.chat_template is None:
+            self.chat_template = choose_template(name, self.tokenizer, alpaca=alpaca)
+        return self.chat_template
+
+    def setup_preference(self) -> None:
+        """The datasets of preference tuning (see `gptmini.data.preference`)."""
+        pref = self.preference
+        book_layout = pref.template == AUTO and is_book_layout(read_pairs(pref.records))
+        self.train_dataset, self.val_dataset, said = preference_datasets(
+            pref, self.tokenizer, self._template(pref.template, book_layout),
+            self.windows.max_length)
+        self._say(said)
+
+    def setup_rl(self) -> None:
+        """The datasets of RL on a verifiable task (see `gptmini.data.rl`)."""
+        self.verifier = self.verifier or self.rl.load()
+        self.train_dataset, self.val_dataset, said = rl_datasets(
+            self.rl, self.verifier, self.tokenizer, self._template(self.rl.template, False),
+            self.loader.batch_size, self.windows.max_length)
+        self._say(said)
+
+    def _say(self, line: str) -> None:
+        if self.trainer is None or self.trainer.is_global_zero:
+            print(line, flush=True)
 
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the token files and build the window datasets.
@@ -166,10 +222,12 @@ class GPTDataModule(L.LightningDataModule):
         if self.labels.active:
             self.setup_labelled(self.labels.classes or self.class_names())
             return
-        if self.chat.active:
-            if self.train_dataset is None:
-                self.setup_chat()
-            return
+        for part, build in ((self.chat, self.setup_chat),
+                            (self.preference, self.setup_preference), (self.rl, self.setup_rl)):
+            if part.active:
+                if self.train_dataset is None:
+                    build()
+                return
         train, val, train_name, val_name = self.corpus.tokens(quiet=True)
         max_length = self.windows.max_length
         for tokens, name, what in ((train, train_name, "training"), (val, val_name, "validation")):
@@ -205,7 +263,7 @@ class GPTDataModule(L.LightningDataModule):
         if dataset is None or len(dataset) == 0:
             return shakespeare
         tokenizer = self.tokenizer
-        ids = torch.as_tensor(dataset[0][0])[:num_tokens].tolist()  # windows, records alike
+        ids = first_ids(dataset[0])[:num_tokens]
         if tokenizer.eot_token in ids:  # a short first document: its own words only
             ids = ids[:ids.index(tokenizer.eot_token)]
         text = tokenizer.decode(ids)
@@ -227,18 +285,21 @@ class GPTDataModule(L.LightningDataModule):
         rank, world = self._rank_and_world()
         n = len(self.train_dataset)
         per_rank = n // world
-        if per_rank < self.loader.batch_size:
+        if per_rank < self._unit:
             raise ValueError(
                 f"{n} training windows give each of {world} rank(s) {per_rank}, fewer than "
                 f"batch_size={self.loader.batch_size}: lower batch_size or stride, or use more data"
             )
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         epoch, skip = self._take_resume(epoch, n, world)
+        # RL's batches are drawn in a seeded order already, and each comes inner_steps times
+        # in a row: never shuffled apart.
+        shuffle = not isinstance(self.train_dataset, ProblemBatches)
         self._train_sampler = ResumableSampler(
-            n, shuffle=True, seed=self.loader.seed, rank=rank, world_size=world, epoch=epoch,
+            n, shuffle=shuffle, seed=self.loader.seed, rank=rank, world_size=world, epoch=epoch,
             skip=skip,
         )
-        self._consumed = (epoch, skip // self.loader.batch_size)
+        self._consumed = (epoch, skip // self._unit)
         return self._data_loader(self.train_dataset, self._train_sampler, drop_last=True)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -253,17 +314,23 @@ class GPTDataModule(L.LightningDataModule):
         )
         return self._data_loader(self.val_dataset, sampler, drop_last=False)
 
+    @property
+    def _unit(self) -> int:
+        """Items of the training dataset per batch: an RL dataset's items are whole batches."""
+        return 1 if isinstance(self.train_dataset, ProblemBatches) else self.loader.batch_size
+
     def _data_loader(self, dataset: Dataset, sampler: ResumableSampler,
                      drop_last: bool) -> DataLoader:
         collate = None
         if isinstance(dataset, LabeledDataset):
             collate = partial(pad_batch, pad_id=self.tokenizer.eot_token)
+        batched = isinstance(dataset, ProblemBatches)  # an item is a batch: taken as it is
         return DataLoader(
             dataset,
-            collate_fn=collate or getattr(dataset, "collate", None),  # chat rows pad their own
-            batch_size=self.loader.batch_size,
+            collate_fn=as_is if batched else collate or getattr(dataset, "collate", None),
+            batch_size=None if batched else self.loader.batch_size,
             sampler=sampler,
-            drop_last=drop_last,
+            drop_last=drop_last and not batched,
             num_workers=self.loader.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.loader.num_workers > 0,
@@ -299,7 +366,7 @@ class GPTDataModule(L.LightningDataModule):
         return {
             "epoch": epoch,
             "batches": batches,
-            "batch_size": self.loader.batch_size,
+            "batch_size": self._unit,
             "world_size": world,
             "num_windows": n,
             "seed": self.loader.seed,
@@ -316,7 +383,7 @@ class GPTDataModule(L.LightningDataModule):
         state, self._resume = self._resume, None
         if state is None:
             return epoch, 0
-        mine = (num_windows, self.loader.seed, self.loader.batch_size, world)
+        mine = (num_windows, self.loader.seed, self._unit, world)
         saved = (state["num_windows"], state["seed"], state["batch_size"], state["world_size"])
         if mine != saved:
             warnings.warn(
@@ -326,13 +393,28 @@ class GPTDataModule(L.LightningDataModule):
                 stacklevel=2,
             )
         windows = state["batches"] * state["batch_size"] * state["world_size"] // world
-        batches_per_epoch = num_windows // world // self.loader.batch_size
+        batches_per_epoch = num_windows // world // self._unit
         limit = self.trainer.limit_train_batches if self.trainer is not None else 1.0
         # An epoch cut short by Trainer(limit_train_batches) ends where Lightning ends it.
         if isinstance(limit, int):
             batches_per_epoch = min(batches_per_epoch, limit)
         elif limit < 1.0:
             batches_per_epoch = int(batches_per_epoch * limit)
-        if windows // self.loader.batch_size >= batches_per_epoch:
+        if windows // self._unit >= batches_per_epoch:
             return state["epoch"] + 1, 0  # the checkpoint's epoch was finished
         return state["epoch"], windows
+
+
+def first_ids(item: Any) -> list[int]:
+    """The token ids an item of any dataset here starts with: a window's or a record's
+    inputs, a pair's prompt, a batch's first prompt."""
+    if isinstance(item, RenderedPair):
+        return item.prompt_ids
+    if isinstance(item, ProblemBatch):
+        return item.prompts[0]
+    return torch.as_tensor(item[0]).tolist()
+
+
+def as_is(item: Any) -> Any:
+    """The loader's collate for datasets whose items are whole batches."""
+    return item

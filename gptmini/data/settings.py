@@ -16,6 +16,8 @@ import numpy as np
 from gptmini.data.chat import Chat
 from gptmini.data.corpus import CorpusSpec, check_error_handler, resolve_source
 from gptmini.data.labels import Labels
+from gptmini.data.preference import Preference
+from gptmini.data.rl import RL
 from gptmini.data.tokens import tokenize_corpus
 from gptmini.data.vocab import fit_tokenizer
 from gptmini.data.windows import SlidingWindowDataset, check_positive
@@ -163,21 +165,29 @@ class Loader:
 GROUPS = {"corpus": Corpus, "windows": Windows, "loader": Loader, "labels": Labels,
           "chat": Chat}
 """The data section's parts, by the name each has in a config."""
+NESTED = {"preference": Preference, "rl": RL}
+"""Parts recorded under their own key (their fields share names with chat's)."""
 
 
 def as_record(corpus: Corpus, windows: Windows, loader: Loader,
-              labels: Labels | None = None, chat: Chat | None = None) -> dict[str, Any]:
+              labels: Labels | None = None, chat: Chat | None = None,
+              preference: Preference | None = None, rl: RL | None = None) -> dict[str, Any]:
     """The parts as one flat dict of fields: what a checkpoint records of its data (the
     labels' only for a classification run, the chat part's only for a fine-tune on
-    records, so a language model's record is as it was)."""
+    records, so a language model's record is as it was); a preference or RL run's part
+    under its own key ("preference", "rl")."""
     record = {**asdict(corpus), **asdict(windows), **asdict(loader)}
     for part in (labels, chat):
         if part is not None and part.active:
             record |= asdict(part)
+    for name, part in (("preference", preference), ("rl", rl)):
+        if part is not None and part.active:
+            record[name] = asdict(part)
     return record
 
 
-def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Labels, Chat]:
+def from_record(record: dict[str, Any]
+                ) -> tuple[Corpus, Windows, Loader, Labels, Chat, Preference, RL]:
     """The settings `as_record` wrote (or a checkpoint from before they were grouped, which
     holds the same flat fields); keys starting with "_" (Lightning's own) are skipped.
 
@@ -186,15 +196,18 @@ def from_record(record: dict[str, Any]) -> tuple[Corpus, Windows, Loader, Labels
     """
     owner = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}
     parts: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+    nested = {name: dict(record.get(name) or {}) for name in NESTED}
     for key, value in record.items():
-        if key.startswith("_"):
+        if key.startswith("_") or key in NESTED:
             continue
         if key not in owner:
             raise ValueError(f"data setting {key!r} is unknown; the settings are "
-                             f"{', '.join(owner)}")
+                             f"{', '.join([*owner, *NESTED])}")
         parts[owner[key]][key] = value
-    if isinstance(parts["chat"].get("split"), list):  # YAML and JSON have no tuples
-        parts["chat"]["split"] = tuple(parts["chat"]["split"])
+    for part in (parts["chat"], nested["preference"]):
+        if isinstance(part.get("split"), list):  # YAML and JSON have no tuples
+            part["split"] = tuple(part["split"])
     corpus, windows, loader, labels, chat = (cls(**parts[g]) for g, cls in GROUPS.items())
-    return corpus, windows, loader, labels, chat
+    return (corpus, windows, loader, labels, chat, Preference(**nested["preference"]),
+            RL(**nested["rl"]))
 

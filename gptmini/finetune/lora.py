@@ -13,14 +13,16 @@ The book's appendix scales by `alpha` alone; this is the LoRA paper's (and PEFT'
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_TARGETS", "LORA_TARGETS", "LoRALinear", "adapter_state", "add_lora",
-           "base_fingerprint", "check_targets", "count_parameters", "lora_layers", "merge_lora"]
+__all__ = ["DEFAULT_TARGETS", "LORA_TARGETS", "LoRALinear", "adapter_state", "adapters_off",
+           "add_lora", "base_fingerprint", "check_targets", "count_parameters", "lora_layers",
+           "merge_lora"]
 
 LORA_TARGETS = ("W_query", "W_key", "W_value", "out_proj", "mlp")
 """The layers LoRA may wrap: the attention's four projections (the book's names) and every
@@ -56,8 +58,12 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **factory))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own draw
         self.lora_dropout = nn.Dropout(dropout)
+        self.enabled = True
+        """False: the base layer alone (`adapters_off`: a preference run's reference)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
         return F.linear(x, self.weight, self.bias) + self.scaling * update
 
@@ -141,6 +147,22 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     """Every adapted layer of `model`, by its module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as its base inside the block (every adapter skipped), and as
+    before after it: the weights a LoRA run started from, without a second copy of them
+    (a preference run's reference model)."""
+    layers = list(lora_layers(model).values())
+    was = [layer.enabled for layer in layers]
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield model
+    finally:
+        for layer, enabled in zip(layers, was, strict=True):
+            layer.enabled = enabled
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

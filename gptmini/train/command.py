@@ -3,7 +3,7 @@ run directory, loggers, checkpoints and sample callback a training run needs.
 
 A run lives in `<trainer.default_root_dir>/<run_name>/`:
     checkpoints/last.ckpt   every --checkpoint_every steps (resume with --ckpt_path last)
-    checkpoints/best.ckpt   lowest val/loss so far
+    checkpoints/best.ckpt   lowest val/loss so far (an RL run: highest val/pass_at_1)
     logs/version_N/         metrics.csv and hparams.yaml of each invocation (CSV logger)
     wandb/                  when --wandb true
 """
@@ -11,11 +11,13 @@ A run lives in `<trainer.default_root_dir>/<run_name>/`:
 import argparse
 import ctypes
 import ctypes.util
+import dataclasses
 import difflib
 import logging
 import os
 import signal
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -108,7 +110,8 @@ class GPTTrainer(Trainer):
         super().__init__(precision=precision, **kwargs)
 
 
-PLANNED = {GPTLitModule: ("encoding",), GPTDataModule: ("encoding", "chat_template")}
+PLANNED = {GPTLitModule: ("encoding", "chat_template", "verifier"),
+           GPTDataModule: ("encoding", "chat_template", "verifier")}
 """What the model and the data receive from the run's plan, as objects: no flags."""
 
 
@@ -175,9 +178,9 @@ class GPTCLI(LightningCLI):
         """Lightning's, with the model and the data built from their settings and the
         plan's objects (jsonargparse's instantiators), then the trainer."""
         plan = self.plan
-        objects = {GPTLitModule: {"encoding": plan.tokenizer},
-                   GPTDataModule: {"encoding": plan.tokenizer,
-                                   "chat_template": plan.chat_template}}
+        given = {"encoding": plan.tokenizer, "chat_template": plan.chat_template,
+                 "verifier": plan.verifier}
+        objects = {cls: {name: given[name] for name in names} for cls, names in PLANNED.items()}
         self.config_init = self.parser.instantiate(self.config, instantiators=[
             (with_objects(given), cls, False) for cls, given in objects.items()])
         self.model, self.datamodule = self.config_init["model"], self.config_init["data"]
@@ -222,10 +225,12 @@ def run_callbacks(cfg, run: Path) -> list:
     signals, the last validation, samples, the report; the progress bar, the model summary
     and attention maps when asked for."""
     checkpoints = run / "checkpoints"
+    # best.ckpt: the lowest validation loss; an RL run's, the highest held-out pass@1
+    monitor, mode = ("val/pass_at_1", "max") if cfg.data.rl.task else ("val/loss", "min")
     callbacks = [
         StepCheckpoint(dirpath=checkpoints, save_top_k=0, save_last=True,
                        every_n_train_steps=cfg.checkpoint_every, enable_version_counter=False),
-        StepCheckpoint(dirpath=checkpoints, filename="best", monitor="val/loss", mode="min",
+        StepCheckpoint(dirpath=checkpoints, filename="best", monitor=monitor, mode=mode,
                        save_top_k=1, enable_version_counter=False),
         StopOnSignal(checkpoints / "last.ckpt", grace_seconds=cfg.stop_grace),
         ValidateFinalWeights(),  # the report, best.ckpt and the page end at the last step
@@ -268,7 +273,7 @@ def check_accelerator(accelerator: str) -> None:
 
 def check_keys(parser, args: list[str]):
     """Unknown `--a.b` options: name the key and suggest the closest known one."""
-    known = option_strings(parser)
+    known = option_strings(parser) | group_fields("model", GPTLitModule)
     for arg in args:
         key = arg.split("=", 1)[0]
         if not key.startswith("--") or key in known or key in ("--help", "-h"):
@@ -278,6 +283,17 @@ def check_keys(parser, args: list[str]):
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "; see --help for the options"
         raise SystemExit(f"train.py: unknown option {key}{hint}")
+
+
+def group_fields(section: str, cls: type) -> set[str]:
+    """`--section.group.field` for each argument of `cls` typed as an optional dataclass
+    (`--model.dpo.beta`): jsonargparse takes them, and lists only `--section.group`."""
+    options = set()
+    for name, hint in typing.get_type_hints(cls.__init__).items():
+        for arg in typing.get_args(hint):
+            if dataclasses.is_dataclass(arg):
+                options |= {f"--{section}.{name}.{f.name}" for f in dataclasses.fields(arg)}
+    return options
 
 
 def keep_freed_memory() -> bool:

@@ -6,6 +6,7 @@ holds); which weights train is its `AllWeights` or `LoRA` (`gptmini.train.adapte
 module asks them and branches on neither."""
 
 import warnings
+from dataclasses import asdict, is_dataclass
 from functools import partial
 
 import lightning as L
@@ -13,8 +14,11 @@ import tiktoken
 import torch
 from torch import Tensor
 
+from gptmini.chat import ChatTemplate
 from gptmini.checkpoint import model_config, write_model_entries
+from gptmini.data.verifiable import VerifiableTask
 from gptmini.finetune import adapter_state
+from gptmini.finetune.dpo import DPO
 from gptmini.model import ConfigError, GPTConfig, GPTModel
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
@@ -25,7 +29,7 @@ from gptmini.train.rng import every_rank_states, restore_rank_states
 from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
 from gptmini.train.steps import OptimizerSteps, SkippedSteps, Throughput, clip_gradients
-from gptmini.train.tasks import task_for
+from gptmini.train.tasks import GRPOSettings, task_for
 
 
 class GPTLitModule(L.LightningModule):
@@ -45,6 +49,13 @@ class GPTLitModule(L.LightningModule):
         classes: Classification (the book's chapter 6): the class names, in the order
             of a class head that replaces the output head and reads each sequence's last
             real token. train.py sets them from --data.labels; None: a language model.
+        dpo: Preference tuning (the book's chapter 7 bonus): Direct Preference
+            Optimization against the starting weights (--model.init_from), frozen.
+            train.py sets it for --data.preference.records; --model.dpo.beta and
+            --model.dpo.variant change it.
+        grpo: Reinforcement learning with verifiable rewards: GRPO's groups sampled by
+            the engine from the model's own weights. train.py sets it for --data.rl.task;
+            --model.grpo.* change it.
         lora_rank: LoRA (the book's appendix E): the adapters' rank; 0 trains every
             weight. With LoRA only the adapters (and a class head) train, with AdamW.
         lora_alpha: The adapters' update is scaled by lora_alpha / lora_rank.
@@ -73,6 +84,8 @@ class GPTLitModule(L.LightningModule):
             8 x 1024 positions of GPT-2's vocabulary) for some more time. None: at once.
         encoding: The tokenizer itself, as train.py's plan resolved it (not a flag; the
             hyperparameters keep `tokenizer`, its name or file); None: `tokenizer` names it.
+        chat_template, verifier: GRPO's template and checker, as train.py's plan resolved
+            them (not flags).
         **model: `GPTConfig` fields (n_layers, emb_dim, context_length, ...), with
             GPTConfig's defaults; the command line's defaults come from the default run
             config. vocab_size is not one of them: it follows the tokenizer.
@@ -85,6 +98,8 @@ class GPTLitModule(L.LightningModule):
         tokenizer: str = "gpt2",
         init_from: str | None = None,
         classes: list[str] | None = None,
+        dpo: DPO | None = None,
+        grpo: GRPOSettings | None = None,
         # LoRA
         lora_rank: int = 0, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
         lora_targets: list[str] | None = None,
@@ -98,17 +113,21 @@ class GPTLitModule(L.LightningModule):
         loss_chunk_size: int | None = None,
         *,
         encoding: tiktoken.Encoding | None = None,
+        chat_template: ChatTemplate | None = None,
+        verifier: VerifiableTask | None = None,
         **model,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["encoding"])
+        dpo, grpo = (asdict(s) if is_dataclass(s) else s for s in (dpo, grpo))  # plain data
+        self.save_hyperparameters(ignore=["encoding", "chat_template", "verifier"])
         check_optimization(self.hparams)
         self.tokenizer = encoding or get_tokenizer(tokenizer)  # callbacks, checkpoints read it
         try:
             self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
         except ConfigError as err:  # named as the flag the user typed
             raise ValueError(err.for_flag("--model.")) from None
-        self.task = task_for(tokenizer=self.tokenizer, classes=classes,
+        self.task = task_for(tokenizer=self.tokenizer, classes=classes, dpo=dpo, grpo=grpo,
+                             verifier=verifier, template=chat_template,
                              loss_chunk_size=loss_chunk_size)  # the loss, metrics, batches
         self.weights = trained_weights(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
                                        targets=lora_targets, init_from=init_from)  # or LoRA's
@@ -177,8 +196,10 @@ class GPTLitModule(L.LightningModule):
             self.throughput.peak_flops = peak_flops_of(self.device, dtype)
         if stage != "fit":
             return
-        if self.hparams.init_from and (not self.resuming or self.weights.keeps_base):
+        keeps = self.weights.keeps_base or self.task.needs_reference  # on a resume too
+        if self.hparams.init_from and (not self.resuming or keeps):
             self.load_pretrained(self.hparams.init_from)
+        self.task.start(self.model)  # the starting weights (a resume's are restored later)
         said = self.weights.summary(self.model)
         if said:
             self._say(said)

@@ -9,8 +9,11 @@ place, in the order each depends on the last:
                     settings not given, and a setting that contradicts it is refused
     tokenizer       a resume's own, the source's, a fitted bpe:N, or the one named
     classes         a classification run's, from its training records unless given
-    chat template   "auto": the source's own, else the book's (Alpaca) or gptmini's (chat);
-                    the tokens it adds grow the tokenizer
+    post-training   preference pairs: a DPO run (--model.dpo); a verifiable task: an RL
+                    run (--model.grpo) and the task's checker, loaded once
+    chat template   "auto": the source's own, else the book's (Alpaca records, the book's
+                    pairs) or gptmini's (chat records, RL prompts); the tokens it adds grow
+                    the tokenizer
 
 The LightningModule and the DataModule receive the plan's objects (train.py hands them
 over); the config is rewritten with what each resolved to (a saved tokenizer's path, the
@@ -20,10 +23,11 @@ as the run that trained.
 
 import json
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tiktoken
+from jsonargparse import Namespace
 
 from gptmini.chat import (
     AUTO,
@@ -32,12 +36,16 @@ from gptmini.chat import (
     add_template_tokens,
     choose_template,
     is_alpaca,
-    read_records,
 )
 from gptmini.checkpoint import CONFIG_FIELDS, read_checkpoint, tokenizer_entry
 from gptmini.data import Corpus, GPTDataModule
+from gptmini.data.chat import read_chat_records
 from gptmini.data.labels import Labels
+from gptmini.data.preference import is_book_layout, read_pairs
+from gptmini.data.rl import RL
+from gptmini.data.verifiable import VerifiableTask
 from gptmini.data.vocab import parse_bpe
+from gptmini.finetune.dpo import DPO
 from gptmini.runtime import AUTO as AUTO_PRECISION
 from gptmini.runtime import auto_precision
 from gptmini.tokenizer import (
@@ -48,6 +56,7 @@ from gptmini.tokenizer import (
     tokenizer_from_dict,
 )
 from gptmini.train.source import CHANGEABLE_FIELDS, Source, contradictions
+from gptmini.train.tasks import GRPOSettings
 
 Say = Callable[[str], None]
 """Prints a line of what was decided (rank 0 only)."""
@@ -64,6 +73,7 @@ class RunPlan:
         chat_template: what a fine-tune on records renders them with, or None.
         classes: a classifier's class names, in its head's order, or None.
         context_length: the model's, which the data's windows follow.
+        verifier: an RL run's task, whose checker rewards the samples, or None.
     """
 
     tokenizer: tiktoken.Encoding
@@ -72,6 +82,7 @@ class RunPlan:
     chat_template: ChatTemplate | None
     classes: tuple[str, ...] | None
     context_length: int
+    verifier: VerifiableTask | None = None
 
 
 def plan_run(config, run: Path, given: Collection[str], say: Say) -> RunPlan:
@@ -93,8 +104,10 @@ def plan_run(config, run: Path, given: Collection[str], say: Say) -> RunPlan:
     source = plan_source(config, resumed, given)
     tokenizer = plan_tokenizer(config, resumed, source, given, run, say)
     classes = plan_classes(config)
+    verifier = plan_posttraining(config, say)
     template, tokenizer = plan_chat(config, tokenizer, source, run)
-    return RunPlan(tokenizer, precision, source, template, classes, config.model.context_length)
+    return RunPlan(tokenizer, precision, source, template, classes, config.model.context_length,
+                   verifier)
 
 
 def resumed_checkpoint(ckpt_path: str | None, run: Path) -> dict:
@@ -260,23 +273,64 @@ def plan_classes(config) -> tuple[str, ...] | None:
 
 def plan_chat(config, tokenizer: tiktoken.Encoding, source: Source | None, run: Path
               ) -> tuple[ChatTemplate | None, tiktoken.Encoding]:
-    """--data.chat.records: the template (`gptmini.chat.choose_template`, the one rule for
-    "auto": the source model's own first), and the tokenizer with the tokens it adds (the
-    model grows to fit them when it loads its source, `gptmini.finetune.grow_vocab`)."""
-    chat = config.data.chat
-    if not chat.records:
+    """--data.chat.records (or --data.preference.records, or --data.rl.task's prompts): the
+    template (`gptmini.chat.choose_template`, the one rule for "auto": the source model's
+    own first), and the tokenizer with the tokens it adds (the model grows to fit them when
+    it loads its source, `gptmini.finetune.grow_vocab`)."""
+    found = records_part(config.data)
+    if found is None:
         return None, tokenizer
-    records = read_records(chat.records)  # a missing or broken file fails here, early
+    part, alpaca = found
     own = source.chat_template if source is not None else None
-    template = choose_template(chat.template, tokenizer, alpaca=is_alpaca(records), source=own)
-    if chat.template == AUTO:  # the config names what was chosen: a built-in, or a file
+    template = choose_template(part.template, tokenizer, alpaca=alpaca, source=own)
+    if part.template == AUTO:  # the config names what was chosen: a built-in, or a file
         built_in = TEMPLATES.get(template.name) == template
-        chat.template = template.name if built_in else str(
+        part.template = template.name if built_in else str(
             save_template(template, run / "chat_template.json"))
     grown = add_template_tokens(tokenizer, template)
     if grown is not tokenizer:
         record_tokenizer(config, grown, run)
     return template, grown
+
+
+def records_part(data) -> tuple[object, bool] | None:
+    """(the data settings whose records a template renders, whether "auto" would take the
+    book's prompt for them: Alpaca records, the book's pairs), or None. A missing or broken
+    file fails here, early."""
+    if data.chat.records:
+        return data.chat, is_alpaca(read_chat_records(data.chat.records))
+    if data.preference.records:
+        return data.preference, is_book_layout(read_pairs(data.preference.records))
+    if data.rl.task:
+        return data.rl, False
+    return None
+
+
+def plan_posttraining(config, say: Say) -> VerifiableTask | None:
+    """Preference pairs make a DPO run (--model.dpo), a verifiable task an RL run
+    (--model.grpo; its checker is loaded here, so a reward function that cannot be imported
+    fails before anything trains); each needs the other half, and DPO its starting weights.
+
+    Returns:
+        The RL task's checker, or None.
+    """
+    model, data = config.model, config.data
+    for name, active, flag in (("dpo", data.preference.records, "--data.preference.records"),
+                               ("grpo", data.rl.task, "--data.rl.task")):
+        if model[name] is not None and not active:
+            raise ValueError(f"--model.{name}.* tunes on {flag}: give it, or drop "
+                             f"--model.{name}")
+        if active and model[name] is None:
+            model[name] = Namespace(**asdict(DPO() if name == "dpo" else GRPOSettings()))
+    if data.preference.records and not model.init_from:
+        raise ValueError("--data.preference.records: DPO tunes a model against its own "
+                         "starting weights; name them with --model.init_from (an "
+                         "instruction-tuned checkpoint, or any source)")
+    if not data.rl.task:
+        return None
+    verifier = RL(**data.rl.as_dict()).load()
+    say(f"rl task: {data.rl.task} ({type(verifier).__name__})")
+    return verifier
 
 
 def save_template(template: ChatTemplate, path: Path) -> Path:

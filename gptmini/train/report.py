@@ -40,7 +40,9 @@ class RunReport(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                            batch_idx: int):
-        self._tokens += batch[0].numel() * trainer.world_size  # a shape: nothing is read
+        task = getattr(pl_module, "task", None)  # what the run's task counts (a shape)
+        tokens = task.tokens(batch) if task is not None else batch[0].numel()
+        self._tokens += tokens * trainer.world_size
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule):
         self._seconds = time.monotonic() - self._start
@@ -76,6 +78,14 @@ class RunReport(Callback):
             print(f"report.txt not written ({err})", file=sys.stderr, flush=True)
 
 
+HEADLINES = (("val/loss", "loss", min), ("val/pass_at_1", "pass@1", max))
+"""What picks a run's best validation: the lowest loss, or an RL run's highest pass@1."""
+SHOWN = (("val/bpb", "bpb"), ("val/acc", "acc"), ("val/accuracy", "accuracy"),
+         ("val/margin", "margin"))
+"""Validation metrics shown beside it when the run logged them (language modelling's
+bits per byte, a classifier's accuracy, DPO's preference accuracy and margin)."""
+
+
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
                   metrics: dict, val_batches: int | float, checkpoints: Path,
                   curves: Path | str, prompt: str = "ROMEO:", generates_text: bool = True) -> str:
@@ -86,19 +96,21 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
     rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
     lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
              f"{tokens:,} tokens{rate}"]
-    if "val/loss" in metrics:
-        at, losses = metrics["val/loss"]  # steps as load_metrics counts them: steps taken
-        bpb = dict(zip(*metrics.get("val/bpb", ([], [])), strict=True))
-        acc = dict(zip(*metrics.get("val/acc", ([], [])), strict=True))
-        best = min(range(len(losses)), key=losses.__getitem__)
+    headline = next((h for h in HEADLINES if h[0] in metrics), None)
+    if headline is not None:
+        name, label, better = headline
+        at, values = metrics[name]  # steps as load_metrics counts them: steps taken
+        shown = {key: dict(zip(*metrics[key], strict=True)) for key, _ in SHOWN
+                 if key in metrics and key != name}
+        best = better(range(len(values)), key=values.__getitem__)
         scope = (f"{val_batches:,} batches" if isinstance(val_batches, int)
                  else f"{val_batches:.0%} of the split")
-        for label, i, note in (("last", -1, f"; {scope}: evaluate.py scores the whole split"),
+        for which, i, note in (("last", -1, f"; {scope}: evaluate.py scores the whole split"),
                                ("best", best, "")):
-            value = f"  bpb {bpb[at[i]]:.3f}" if at[i] in bpb else ""
-            value += f"  acc {acc[at[i]]:.3f}" if at[i] in acc else ""
-            head = "validation  " if label == "last" else "            "
-            lines.append(f"{head} {label}  loss {losses[i]:.3f}{value}  "
+            more = "".join(f"  {short} {shown[key][at[i]]:.3f}" for key, short in SHOWN
+                           if key in shown and at[i] in shown[key])
+            head = "validation  " if which == "last" else "            "
+            lines.append(f"{head} {which}  {label} {values[i]:.3f}{more}  "
                          f"(after step {at[i]:,}{note})")
     else:
         lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")

@@ -95,7 +95,8 @@ def test_the_checkpoints_record_is_flat_as_before_the_settings_were_grouped():
         Loader(batch_size=4),
     )
     assert dict(dm.hparams) == {k: v for k, v in OLD_RECORD.items() if k != "_instantiator"}
-    assert from_record(OLD_RECORD) == (dm.corpus, dm.windows, dm.loader, dm.labels, dm.chat)
+    assert from_record(OLD_RECORD) == (dm.corpus, dm.windows, dm.loader, dm.labels, dm.chat,
+                                       dm.preference, dm.rl)
     with pytest.raises(ValueError, match="data setting 'batch' is unknown"):
         from_record({"batch": 4})
 

@@ -104,6 +104,39 @@ HEADERS = {  # a config: each phrase of its header comment -> the settings that 
             "model.muon_learning_rate": 1e-3},
         "compiled, batch 24": {"model.compile": True, "data.loader.batch_size": 24},
     },
+    "sft-addition": {
+        "A short fine-tune of the default run's checkpoint": {"model.init_from": SOURCE},
+        "multi-digit addition": {"data.chat.records": "task:addition"},
+        "answers alone, 150 steps": {"trainer.max_steps": 150},
+        "Every weight trains, with Muon and AdamW at 1e-3, batch 24, compiled": {
+            "model.lora_rank": 0, "model.optimizer": "muon", "model.learning_rate": 1e-3,
+            "model.muon_learning_rate": 1e-3, "data.loader.batch_size": 24,
+            "model.compile": True},
+    },
+    "dpo-shakespeare": {
+        "from the instruction-tuned default run": {
+            "model.init_from": "runs/instruct-shakespeare/checkpoints/best.ckpt"},
+        "the book's 1,100 preference pairs": {"data.preference.records": "book"},
+        "the book's variant (log-probabilities averaged per token) at beta 0.5": {
+            "model.dpo.variant": "book", "model.dpo.beta": 0.5},
+        "every weight trains, with AdamW at 6e-4, batch 8 pairs, 200 steps": {
+            "model.lora_rank": 0, "model.optimizer": "adamw", "model.learning_rate": 6e-4,
+            "data.loader.batch_size": 8, "trainer.max_steps": 200},
+        "(too_long: drop)": {"data.preference.too_long": "drop"},
+    },
+    "grpo-addition": {
+        "GRPO on the arithmetic task": {"data.rl.task": "addition"},
+        "from the short fine-tune": {
+            "model.init_from": "runs/sft-addition/checkpoints/last.ckpt"},
+        "200 held-out prompts": {"data.rl.heldout": 200},
+        "groups of 8 answers to 16 prompts": {"model.grpo.group_size": 8,
+                                              "data.loader.batch_size": 16},
+        "one inner step": {"data.rl.inner_steps": 1},
+        "with AdamW at 5e-6, 200 steps": {"model.lora_rank": 0, "model.optimizer": "adamw",
+                                          "model.learning_rate": 5e-6,
+                                          "trainer.max_steps": 200},
+        "the KL term is off": {"model.grpo.kl_weight": 0.0},
+    },
     "lora-shakespeare": {
         "rank-8 adapters on the attention's four projections": {
             "model.lora_rank": 8, "model.lora_targets": ["W_query", "W_key", "W_value",

@@ -14,8 +14,11 @@ from helpers import HANG_SECONDS, column, read_metrics, tiny_args, write_corpus
 from lightning.pytorch import Callback
 
 import gptmini
+from gptmini.chat import BOOK
 from gptmini.data import Corpus, GPTDataModule, Loader, Windows
 from gptmini.data.chat import Chat
+from gptmini.data.preference import Preference
+from gptmini.data.rl import RL
 from gptmini.model import GPTConfig
 from gptmini.train.command import DEFAULT_CONFIG, build_cli, fit, main
 from gptmini.train.module import GPTLitModule
@@ -210,12 +213,16 @@ def test_every_config_loads_and_builds_its_model_and_data(config, capsys):
     model = {**printed["model"], "peak_flops": 1.0}
     if model["tokenizer"].startswith("bpe:"):
         model["tokenizer"] = "byte"
+    # an RL run's task needs its checker and a template (train.py's plan resolves them from
+    # the source; the book's needs no tokens this vocabulary lacks)
+    rl = RL(**data["rl"])
+    given = {"verifier": rl.load(), "chat_template": BOOK} if rl.task else {}
     with torch.device("meta"):
-        GPTLitModule(**model)
-    chat = {**data["chat"], "split": tuple(data["chat"]["split"])}
+        GPTLitModule(**model, **given)
+    chat, pairs = ({**data[k], "split": tuple(data[k]["split"])} for k in ("chat", "preference"))
     GPTDataModule(Corpus(**data["corpus"], tokenizer=model["tokenizer"]),
                   Windows(**data["windows"], max_length=model["context_length"]),
-                  Loader(**data["loader"]), Chat(**chat))
+                  Loader(**data["loader"]), Chat(**chat), preference=Preference(**pairs), rl=rl)
 
 
 def print_config(capsys, *args: str) -> dict:

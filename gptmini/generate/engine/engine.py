@@ -258,6 +258,7 @@ class Engine:
     def _accept(self, request: Request, token: int, logprobs=None) -> None:
         p = request.params
         if token in p.stop_ids:
+            request.stop_id, request.stop_logprobs = token, logprobs
             self._finish(request, "stop")
             return
         if logprobs is not None:

@@ -22,6 +22,11 @@ class Request:
     """None while running; then "length", "stop", "cancelled" (or `Engine.abort`'s)."""
     logprobs: list = field(default_factory=list)
     """With `params.logprobs` set: one `sampling.TokenLogprobs` per token of `tokens`."""
+    stop_id: int | None = None
+    """The stop id that ended it (finish_reason "stop"), which `tokens` leaves out."""
+    stop_logprobs: tuple | None = None
+    """With `params.logprobs` set, the stop id's `TokenLogprobs`: it was drawn too (an RL
+    rollout learns when to stop from it)."""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     tables: list[list[int]] = field(default_factory=list)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
+from gptmini.finetune.reference import Reference
 from gptmini.model import GPTModel
 
 Metrics = dict[str, Tensor]
@@ -41,6 +42,18 @@ class Task(ABC):
             source, and they train (and are saved) beside LoRA's adapters.
         """
         return set()
+
+    needs_reference = False
+    """Whether the loss compares the model with the weights the run started from (DPO; RL's
+    KL term): the module then loads --model.init_from before `start`, on a resume too."""
+    reference: Reference | None = None
+    """Those weights, frozen (gptmini.finetune.reference), once `start` has kept them."""
+
+    def start(self, model: GPTModel) -> None:
+        """Called once `model` holds the weights the run starts from, before the first
+        step: a task that `needs_reference` keeps them here."""
+        if self.needs_reference and self.reference is None:
+            self.reference = Reference(model)
 
     def batch_size(self, batch) -> int:
         """Examples in `batch` (what validation averages over)."""
