@@ -141,6 +141,10 @@ class GPTCLI(LightningCLI):
         parser.add_argument("--wandb", type=bool, default=False,
                             help="Also log to Weights & Biases (offline when no API key).")
         parser.add_argument("--wandb_project", type=str, default="gptmini")
+        parser.add_argument("--cpu_float32_steps", type=int | None, default=None,
+                            help="Steps instead of --trainer.max_steps where a CPU trains in "
+                                 "float32 (no bf16 units) and the steps are not given: the "
+                                 "default run's, timed with bf16 (null: off).")
         parser.add_argument("--stop_grace", type=float, default=20.0,
                             help="On SIGTERM or Ctrl-C, seconds allowed to finish the optimizer "
                                  "step in progress before falling back to the last one.")
@@ -172,7 +176,8 @@ class GPTCLI(LightningCLI):
         check_intervals(self.config)
         check_accelerator(str(self.config.trainer.accelerator))
         self._name_after_corpus()
-        self.plan = plan_run(self.config, run_dir(self), self._given("model"), say)
+        self.plan = plan_run(self.config, run_dir(self), self._given("model"), say,
+                             trainer_given=self._given("trainer"))
 
     def instantiate_classes(self) -> None:
         """Lightning's, with the model and the data built from their settings and the
@@ -508,6 +513,10 @@ def check_intervals(config) -> None:
         if not is_finite_number(value) or value < low:  # NaN is not below anything
             raise ValueError(f"--{name}={value} is invalid: use {low} or more"
                              + (" (0 turns it off)" if low == 0 and name != "stop_grace" else ""))
+    steps = config.get("cpu_float32_steps")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--cpu_float32_steps={steps} is invalid: use 1 or more, or null to "
+                         "train --trainer.max_steps in float32 too")
     clip = config.trainer.gradient_clip_val
     if clip is not None and not (is_finite_number(clip) and clip >= 0):
         # A negative norm would flip every gradient; NaN would make every one NaN.

@@ -5,6 +5,8 @@ template, labelled records); `plan_run` turns each into what it is, once and in 
 place, in the order each depends on the last:
 
     precision       "auto": the checkpoint's when resuming, else bf16 where the device has it
+    steps           --cpu_float32_steps instead of --trainer.max_steps where a CPU trains in
+                    float32 (no bf16 units) and the steps were not given: the default run's
     source          --model.init_from read (`Source`): its architecture fills the model
                     settings not given, and a setting that contradicts it is refused
     tokenizer       a resume's own, the source's, a fitted bpe:N, or the one named
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tiktoken
+import torch
 from jsonargparse import Namespace
 
 from gptmini.chat import (
@@ -47,7 +50,7 @@ from gptmini.data.verifiable import VerifiableTask
 from gptmini.data.vocab import parse_bpe
 from gptmini.finetune.dpo import DPO
 from gptmini.runtime import AUTO as AUTO_PRECISION
-from gptmini.runtime import auto_precision
+from gptmini.runtime import auto_precision, precision_dtype
 from gptmini.tokenizer import (
     get_tokenizer,
     load_tokenizer,
@@ -85,7 +88,8 @@ class RunPlan:
     verifier: VerifiableTask | None = None
 
 
-def plan_run(config, run: Path, given: Collection[str], say: Say) -> RunPlan:
+def plan_run(config, run: Path, given: Collection[str], say: Say,
+             trainer_given: Collection[str] = ()) -> RunPlan:
     """Resolve the run `config` (train.py's parsed settings) describes, and write what each
     setting resolved to back into `config`.
 
@@ -95,12 +99,14 @@ def plan_run(config, run: Path, given: Collection[str], say: Say) -> RunPlan:
         given: the model settings this invocation sets (on the command line, or to a value
             other than the default run's): the ones a source must not contradict.
         say: prints a line of what was decided.
+        trainer_given: the trainer settings this invocation sets, likewise.
 
     Raises:
         ValueError: a setting that contradicts another or the source, naming both.
     """
     resumed = resumed_checkpoint(config.ckpt_path, run)
     precision = plan_precision(config.trainer, resumed, say)
+    plan_steps(config, precision, trainer_given, say)
     source = plan_source(config, resumed, given)
     tokenizer = plan_tokenizer(config, resumed, source, given, run, say)
     classes = plan_classes(config)
@@ -134,6 +140,33 @@ def plan_precision(trainer, checkpoint: dict, say: Say) -> str:
         trainer.precision, why = auto_precision(trainer.accelerator)
     say(f"precision: {trainer.precision} (auto: {why})")
     return trainer.precision
+
+
+def plan_steps(config, precision: str, trainer_given: Collection[str], say: Say) -> None:
+    """--cpu_float32_steps: the default run's step count where a CPU trains in float32.
+
+    The default recipe was timed with bf16 matmuls (AVX512-BF16 or AMX); a CPU without them
+    (AVX2 alone) trains it in float32, about half as fast: with AVX2 forced on a 2-core AMD
+    EPYC, 0.70 s a step against 0.37 in bf16, 12 minutes for the 960 steps where the README
+    promises 4-10 (docs/recipes.md). The count follows from the CPU and the precision alone,
+    never from a clock, so the same command on the same machine trains the same weights (a
+    resume included: it keeps its checkpoint's precision). --trainer.max_steps given wins."""
+    steps = config.get("cpu_float32_steps")
+    if steps is None or "max_steps" in trainer_given or not on_cpu(config.trainer.accelerator):
+        return
+    if precision_dtype(precision) != torch.float32:
+        return
+    config.trainer.max_steps = steps
+    say(f"steps: {steps} (--cpu_float32_steps: this CPU trains in float32, about half as "
+        f"fast as the bf16 the recipe was timed in; --trainer.max_steps N trains N)")
+
+
+def on_cpu(accelerator) -> bool:
+    """Whether Lightning's `accelerator` setting trains on the CPU ("auto" picks a GPU, CUDA
+    or Apple's, where there is one)."""
+    accelerator = str(accelerator or "auto")
+    gpu = torch.cuda.is_available() or torch.backends.mps.is_available()
+    return accelerator == "cpu" or (accelerator == "auto" and not gpu)
 
 
 def plan_source(config, checkpoint: dict, given: Collection[str]) -> Source | None:

@@ -17,7 +17,7 @@ from gptmini.data.chat import Chat
 from gptmini.data.labels import Labels
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.train.command import build_cli
-from gptmini.train.plan import save_template
+from gptmini.train.plan import on_cpu, save_template
 
 ALPACA = [{"instruction": "Name a colour.", "input": "", "output": "Blue."}] * 40
 CHAT = [{"messages": [{"role": "user", "content": "Hi"},
@@ -118,3 +118,51 @@ def test_a_chat_template_that_cannot_be_saved_is_named(tmp_path, monkeypatch):
     path = tmp_path / "run" / "chat_template.json"
     with pytest.raises(OSError, match=f"could not write the chat template {path} \\(No space"):
         save_template(GPTMINI, path)
+
+
+def default_run_args(tmp_path, corpus, *flags: str) -> list[str]:
+    """The default run (its config, no --config) on a small corpus, as a user starts it."""
+    return ["--trainer.default_root_dir", str(tmp_path / "runs"), "--run_name", "d",
+            "--model.tokenizer", "byte", "--data.corpus.source", str(corpus),
+            "--data.corpus.cache_dir", str(tmp_path / "cache"), *flags]
+
+
+@pytest.mark.parametrize(("has_bf16", "flags", "steps"), [
+    (True, (), 960),                                    # the recipe as timed
+    (False, (), 600),                                   # an AVX2 CPU: float32, fewer steps
+    (True, ("--trainer.precision", "32-true"), 600),    # float32 asked for: as slow
+    (False, ("--trainer.max_steps", "960"), 960),       # the steps given win
+    (False, ("--trainer.max_steps", "300"), 300),
+    (False, ("--cpu_float32_steps", "null"), 960),      # the rule off
+])
+def test_the_default_run_trains_fewer_steps_where_a_cpu_trains_in_float32(
+        tmp_path, corpus, monkeypatch, has_bf16, flags, steps):
+    """Issue 48: the default's minutes were timed with bf16 matmuls; a CPU without bf16 units
+    trains it in float32 several times slower, so the default trains --cpu_float32_steps
+    there, decided by the CPU and the precision alone (the same command, the same steps)."""
+    monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: has_bf16)
+    cli = build_cli(default_run_args(tmp_path, corpus, *flags))
+    assert cli.config.trainer.max_steps == steps
+    assert cli.trainer.max_steps == steps
+
+
+def test_only_a_run_on_the_cpu_counts_as_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert on_cpu("cpu") and not on_cpu("auto") and not on_cpu("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert on_cpu("auto")
+
+
+def test_a_config_file_run_keeps_its_steps_in_float32(tmp_path, corpus, monkeypatch):
+    """A --config file is a whole run on the classes' defaults: no float32 rule unless it
+    sets one."""
+    monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: False)
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  max_steps: 50\nmodel:\n  tokenizer: byte\n")
+    cli = build_cli(["--config", str(config), *default_run_args(tmp_path, corpus)])
+    assert cli.trainer.max_steps == 50
+
+
+def test_cpu_float32_steps_below_one_is_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"--cpu_float32_steps=0 is invalid: use 1 or more"):
+        build_cli(default_run_args(tmp_path, corpus, "--cpu_float32_steps", "0"))
