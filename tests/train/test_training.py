@@ -354,8 +354,10 @@ def test_fast_dev_run_works_on_every_shipped_config(tmp_path, corpus, config):
             "--trainer.enable_progress_bar", "false",
             "--data.corpus.cache_dir", str(tmp_path / "c")]
     if config != DEFAULT_CONFIG:  # a GPU run, brought to this CPU with a tiny model
-        # instruction records are longer than 16 tokens: the book's are up to ~200
-        context = 256 if "records:" in config.read_text() else 16
+        # instruction records are longer than 16 tokens (the book's are up to ~200), and an
+        # RL task's prompt and answer together too
+        text = config.read_text()
+        context = 256 if "records:" in text or "\n  rl:" in text else 16
         shape = {"n_layers": 1, "emb_dim": 32, "n_heads": 2, "context_length": context}
         args += ["--trainer.accelerator", "cpu", "--trainer.devices", "1",
                  "--trainer.num_nodes", "1", "--trainer.strategy", "auto",
