@@ -12,6 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gptmini"
 
 LAYERS = [
+    "core",        # what a reader reads: the book's attention, GPTConfig, GPTModel
     "attention",   # the book's module, context, masks, positions, kernels
     "model",       # GPTConfig, the mixer and feed-forward tables, blocks, GPTModel, FLOPs
     "variants",    # beyond the book, by family: MLA, Gated DeltaNet (named by the tables)
@@ -31,7 +32,7 @@ LAYERS = [
 ]
 """Lowest first: a package may import the packages before it, never one after it."""
 
-ONLY_TORCH = ("attention", "model", "variants")
+ONLY_TORCH = ("core", "attention", "model", "variants")
 
 
 def module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ kernel: every kernel runs it.
 import torch
 from torch import Tensor, nn
 
-from gptmini.attention.errors import ArgumentError
+from gptmini.core.layers import ArgumentError
 
 __all__ = ["GATES", "OutputGate"]
 

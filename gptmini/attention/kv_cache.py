@@ -1,41 +1,16 @@
-"""The KV cache: what attention needs of one (`BaseKVCache`: the contiguous `KVCache` here,
-a sliding-window layer's `WindowKVCache` (window_cache.py), the engine's paged view
-gptmini.generate.engine.paged.PagedView), and the contiguous cache of one attention layer,
-grown by doubling.
+"""The contiguous KV cache of one attention layer, grown by doubling: the core's
+(gptmini.core.attention) made fast for generation. Other caches: a sliding-window layer's
+`WindowKVCache` (window_cache.py), the engine's paged view (gptmini.generate.engine.paged).
 
 Shapes: keys and values (b, num_kv_heads, num_keys, head_dim), positions (b, num_keys).
 """
 
-from abc import ABC, abstractmethod
-
 import torch
 from torch import Tensor
 
+from gptmini.core.attention import BaseKVCache
+
 __all__ = ["BaseKVCache", "KVCache"]
-
-
-class BaseKVCache(ABC):
-    """What attention needs of a KV cache: the contiguous `KVCache` and the engine's
-    paged view (gptmini.generate.engine.paged.PagedView) both are one.
-
-    `len(cache)` counts the tokens seen before this call's new ones (the new ones' positions
-    continue from it); `update` stores the new tokens' keys, values and positions and
-    returns every key and value the call attends to, (b, num_kv_heads, num_keys, head_dim),
-    the last num_keys of everything seen (fewer than len + new only for a cache that holds
-    a window: attention then masks over those); `positions` (b, num_keys) are the
-    positions of the keys it returned last (of everything it holds).
-    """
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def update(self, keys: Tensor, values: Tensor,
-               positions: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
-
-    @property
-    @abstractmethod
-    def positions(self) -> Tensor | None: ...
 
 
 class KVCache(BaseKVCache):

@@ -1,53 +1,36 @@
-"""Multi-head attention (the book's Listing 3.5).
+"""Multi-head attention (the book's Listing 3.5, gptmini.core.attention) with every option
+beyond the core: sliding windows per layer, the kernels' table (flex, tiled, or yours by
+import path), ALiBi and rope scaling through the position scheme, soft-capping, attention
+sinks, an output gate, a score scale of its own, and an engine step's packed rows.
 
-Letters in the shape comments:
-    b             batch size
-    num_tokens    queries in this call (the new tokens)
-    num_keys      keys in this call: cached tokens + new tokens
-    num_heads     query heads
-    num_kv_heads  key/value heads (fewer than num_heads for grouped-query attention)
-    head_dim      d_out // num_heads, or the head_dim given (then the heads are
-                  num_heads * head_dim wide together, and out_proj maps that to d_out)
-
-The module projects queries, keys and values, turns queries and keys by their positions if
-its position scheme rotates (gptmini.attention.positions), appends keys and values to a KV
-cache if given one, and hands them to its kernel, chosen once at construction
-(gptmini.attention.kernels: sdpa, explicit, flex, tiled, or a class of your own). What the
-call attends with (the positions of the new tokens and the mask, in every kernel's form) is
-an `AttentionContext` (gptmini.attention.context): a model builds one per forward pass and
-passes it to every layer; called alone, the module builds its own from its arguments.
-
-A query with no key to attend (left padding) gets a zero output, never NaN, on every
-kernel. flex and tiled have no attention dropout: they refuse a dropout above 0 in training
-(set the attention's own rate to 0: GPTConfig.attn_drop_rate).
+The core's forward runs unchanged; this module fills its hooks: `new_kernel` (the table),
+`layer_context` (a layer's own window over the pass, packed rows), `attend` (sinks, packed
+rows, a window's own KV cache), `query_scale` and `gate`. flex and tiled have no attention
+dropout: they refuse a dropout above 0 in training (GPTConfig.attn_drop_rate 0).
 """
 
 import torch
 from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
-from gptmini.attention.errors import ArgumentError
 from gptmini.attention.kernels import KERNELS, attend, backend_name, make_kernel
-from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.positions import SCHEMES, NoPositions, PositionScheme
+from gptmini.core import attention as core
+from gptmini.core.attention import check_dropout, check_heads
+from gptmini.core.layers import ArgumentError
+
+__all__ = ["BACKENDS", "MultiHeadAttention", "check_dropout", "check_heads"]
 
 BACKENDS = tuple(KERNELS)
 """The built-in kernels' names (gptmini.attention.kernels.KERNELS)."""
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head self-attention, constructed exactly as the book's Listing 3.5.
+class MultiHeadAttention(core.MultiHeadAttention):
+    """The book's multi-head attention (gptmini.core.attention.MultiHeadAttention: its
+    parameters in the book's order, num_kv_heads, window_size, causal, head_dim, out_bias)
+    with every option beyond the core.
 
-    The parameters `W_query`, `W_key`, `W_value`, `out_proj` are created in the book's
-    order, so under the same `torch.manual_seed` this module starts from the book's
-    weights and prints the book's numbers.
-
-    Beyond the book, as keyword-only options:
-        num_kv_heads: grouped-query attention; `num_kv_heads` key/value heads, each shared
-            by `num_heads // num_kv_heads` query heads (1 is multi-query attention).
-        window_size: sliding-window attention; query i sees keys i - window_size + 1 ... i
-            (with causal=False: keys less than window_size away on either side).
-        causal: False attends both ways, as a bidirectional encoder does.
+    Options beyond the core, keyword-only:
         backend: the kernel (gptmini.attention.kernels): a built-in's name, "sdpa"
             (default), "explicit", "flex" or "tiled"; a kernel class of your own; or its
             import path "package.module:ClassName". Assigning `backend` later swaps it.
@@ -58,14 +41,10 @@ class MultiHeadAttention(nn.Module):
             position_scheme=RotaryPositions(head_dim, rope_theta)).
         alibi: for a module used alone, ALiBi's per-head distance penalties on the scores
             (the same as position_scheme=AlibiPositions(num_heads)).
-        qk_norm: RMSNorm each head's queries and keys before attending (as Qwen3 and
-            OLMo 2 do), which keeps the scores' scale in check; a name of
-            gptmini.attention.norm.RMS_NORMS picks the kind ("rmsnorm1p": Gemma 3's).
-        head_dim: each head's size, where it is not d_out // num_heads (Qwen3-0.6B's 128
-            for a width of 1024 and 16 heads; Gemma 3's 256).
+        qk_norm: as the core's, or a name of gptmini.attention.norm.RMS_NORMS for the
+            kind ("rmsnorm1p": Gemma 3's).
         scale: the scores' factor instead of 1/sqrt(head_dim) (Gemma's
             query_pre_attn_scalar ** -0.5).
-        out_bias: a bias in out_proj (the book's); Llama-style models have none.
         softcap: soft-cap the scaled scores at this value (cap * tanh(score / cap)).
         sinks: a learned logit per head in the softmax's denominator (gpt-oss's attention
             sinks, gptmini.attention.sinks): the parameter `sinks` (num_heads,), starting
@@ -78,8 +57,9 @@ class MultiHeadAttention(nn.Module):
     `settings`, an `AttentionSettings`.
     """
 
-    # 20 parameters: the book's six, then one keyword per option above, each one a reader
-    # may type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
+
+    # The book's six parameters, then one keyword per option above, each one a reader may
+    # type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
     # short spelling of two position schemes for a module used alone.
     def __init__(
         self,
@@ -105,167 +85,56 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         scale: float | None = None,
     ):
-        super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        check_heads(d_out, num_heads, num_kv_heads, head_dim)
-        check_dropout(dropout)
-        self.d_out = d_out
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim or d_out // num_heads
-        inner = num_heads * self.head_dim  # the heads side by side: d_out unless head_dim
-        self.query_scale = _query_scale(scale, self.head_dim)
-        self.context_length = context_length
+        super().__init__(d_in, d_out, context_length, dropout, num_heads, qkv_bias,
+                         num_kv_heads=num_kv_heads, window_size=window_size, causal=causal,
+                         backend=backend, qk_norm=_qk_norm(qk_norm), head_dim=head_dim,
+                         out_bias=out_bias)
         scheme = _position_scheme(position_scheme, rope_theta, alibi, num_heads, self.head_dim)
         self.settings = AttentionSettings(causal, window_size, scheme, softcap)
-
-        kv_dim = num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, inner, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-        self.out_proj = nn.Linear(inner, d_out, bias=out_bias)  # combines the heads' outputs
-        self.dropout = nn.Dropout(dropout)
-        if qk_norm:  # one gain per head dimension, shared by the heads
-            self.q_norm, self.k_norm = _qk_norms(qk_norm, self.head_dim)
-        self.qk_norm = bool(qk_norm)
+        self.query_scale = _query_scale(scale, self.head_dim)
         # after the book's weights, which keep their order; zeros: no random numbers drawn
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads)) if sinks else None)
-        self.gate = None
+        self._check_sinks(self.kernel, backend)
         if gate != "none":
             from gptmini.attention.gate import OutputGate  # (checks the name against GATES)
 
             self.gate = OutputGate(d_in, num_heads, self.head_dim, gate, bias=qkv_bias)
-        self.backend = backend  # builds self.kernel, once the sinks it must add are known
-        # The book registers its triangular mask as a buffer; here masks are built per call
-        # (gptmini.attention.context), so they also cover caches, windows, padding and
-        # documents, and checkpoints do not carry a context_length^2 tensor per layer. The
-        # book's state dicts still load: their "mask" entry is dropped, as it is fixed by
-        # context_length.
-        self.register_load_state_dict_pre_hook(_drop_book_mask)
 
-    @property
-    def backend(self) -> str | type:
-        return self._backend
+    def new_kernel(self, backend: str | type):
+        """The kernel `backend` names in the table (raising, naming the choices, for an
+        unknown one); refused if the module has sinks and the kernel cannot add them."""
+        kernel = make_kernel(backend)
+        self._check_sinks(kernel, backend)
+        return kernel
 
-    @backend.setter
-    def backend(self, backend: str | type):
-        kernel = make_kernel(backend)  # raises, naming the choices, for an unknown one
+    def _check_sinks(self, kernel, backend: str | type) -> None:
         if getattr(self, "sinks", None) is not None and not getattr(kernel, "has_sinks", False):
             raise ValueError(
                 f"the {backend_name(backend)} attention backend cannot add attention sinks "
                 "(a kernel that can says has_sinks = True): use sdpa, explicit, flex or "
                 "tiled, or turn the sinks off (GPTConfig.attn_sinks=False)")
-        self.kernel = kernel
-        self._backend = backend
 
-    def forward(
-        self,
-        x: Tensor,
-        attention_mask: Tensor | None = None,
-        *,
-        document_ids: Tensor | None = None,
-        kv_cache: BaseKVCache | None = None,
-        return_weights: bool = False,
-        context: AttentionContext | None = None,
-        positions: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend over `x` (and the cached tokens before it).
+    def layer_context(self, x: Tensor, num_cached: int, context: AttentionContext | None,
+                      uses_cache: bool, attention_mask: Tensor | None,
+                      document_ids: Tensor | None, positions: Tensor | None
+                      ) -> AttentionContext:
+        """The pass's context, checked and seen with this layer's window, or one built here
+        (gptmini.attention.context.layer_context)."""
+        return layer_context(self.settings, self.context_length, x, num_cached,
+                             context=context, uses_cache=uses_cache,
+                             attention_mask=attention_mask, document_ids=document_ids,
+                             positions=positions)
 
-        Args:
-            x: (b, num_tokens, d_in).
-            attention_mask: optional (b, num_keys) mask of real tokens (1) and padding (0),
-                covering cached and new tokens.
-            document_ids: optional (b, num_keys) id of each token's document, for several
-                documents packed in one window: a query sees only its own document's keys.
-            kv_cache: optional cache; the new keys and values are appended to it.
-            return_weights: also return the attention weights, computed on the explicit
-                path (the weights the output was really computed from).
-            context: the forward pass's AttentionContext, built once by the model for
-                every layer; then attention_mask and document_ids are already in it. None:
-                built here from the arguments above.
-            positions: (b, num_tokens) positions of x's tokens, where they are not 0, 1, ...
-                after the cache (rotary attention called alone); None: counted as usual.
-
-        Returns:
-            (b, num_tokens, d_out), and with `return_weights` the weights
-            (b, num_heads, num_tokens, num_keys). A query with no key to attend (a
-            left-padding position) gets zero weights and a zero output, never NaN.
-        """
-        b, num_tokens, _ = x.shape
-        num_cached = len(kv_cache) if kv_cache is not None else 0
-        # the pass's context, checked and seen with this layer's window, or one built here
-        context = layer_context(self.settings, self.context_length, x, num_cached,
-                                context=context, uses_cache=kv_cache is not None,
-                                attention_mask=attention_mask, document_ids=document_ids,
-                                positions=positions)
-        queries = self.W_query(x)  # (b, num_tokens, d_out)
-        keys = self.W_key(x)  # (b, num_tokens, num_kv_heads * head_dim)
-        values = self.W_value(x)
-
-        queries = queries.view(b, num_tokens, self.num_heads, self.head_dim)
-        keys = keys.view(b, num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per head vector, while each is still contiguous in memory
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        # (b, num_tokens, num_heads, head_dim) -> (b, num_heads, num_tokens, head_dim)
-        queries, keys = queries.transpose(1, 2), keys.transpose(1, 2)
-        values = values.view(b, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # rotated at their positions (a rotary scheme), then cached
-        queries, keys = self.settings.position_scheme.rotate(queries, keys, context)
-        if self.query_scale is not None:
-            queries = queries * self.query_scale
-
-        if kv_cache is not None:
-            # (b, num_kv_heads, num_keys, head_dim)
-            keys, values = kv_cache.update(keys, values, context.positions)
-            if keys.shape[2] < context.num_keys and context.ragged is None:
-                # a WindowKVCache returned its window's keys only: mask over those
-                context = context.for_layer(self.settings, keys.shape[2])
-        # (b, num_heads, num_tokens, head_dim): the kernel's, or the explicit path's + weights
-        context_vec, weights = attend(
-            self.kernel, self.backend, queries, keys, values, context,
-            dropout_p=self.dropout.p if self.training else 0.0,
-            return_weights=return_weights, sinks=self.sinks)
-
-        # (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, num_heads * head_dim)
-        context_vec = context_vec.transpose(1, 2).contiguous().view(b, num_tokens, -1)
-        if self.gate is not None:
-            context_vec = self.gate(x, context_vec)
-        out = self.out_proj(context_vec)
-        empty_rows = context.empty_rows()  # (b, num_tokens) or None
-        if empty_rows is not None:
-            out = out.masked_fill(empty_rows[..., None], 0.0)  # out_proj's bias, zeroed
-        return (out, weights) if return_weights else out
-
-
-def check_heads(d_out: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None
-                ) -> None:
-    """The heads' rule: query heads divide the width (unless they have a head_dim of their
-    own), key/value heads divide the query heads.
-
-    Raises:
-        ArgumentError: naming head_dim, num_heads or num_kv_heads.
-    """
-    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
-                                 or head_dim < 1):
-        raise ArgumentError("head_dim", head_dim, "use a positive integer, or None for the "
-                            "width / the heads")
-    if (not isinstance(num_heads, int) or num_heads < 1
-            or (head_dim is None and d_out % num_heads != 0)):
-        raise ArgumentError("num_heads", num_heads, f"it must divide the width ({d_out}): "
-                            "pick one of its divisors, or give the heads a head_dim")
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-        raise ArgumentError("num_kv_heads", num_kv_heads, f"use a divisor of the {num_heads} "
-                            "query heads (1: multi-query attention)")
-
-
-def check_dropout(dropout: float) -> None:
-    """The attention dropout's rule: a rate in [0, 1) (NaN fails it too).
-
-    Raises:
-        ArgumentError: naming dropout.
-    """
-    if not 0.0 <= dropout < 1.0:
-        raise ArgumentError("dropout", dropout, "use a number in [0, 1)")
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, context: AttentionContext,
+               return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """The kernel's output (gptmini.attention.kernels.attend: packed rows, sinks), or the
+        explicit path's and its weights."""
+        if keys.shape[2] < context.num_keys and context.ragged is None:
+            # a WindowKVCache returned its window's keys only: mask over those
+            context = context.for_layer(self.settings, keys.shape[2])
+        return attend(self.kernel, self.backend, queries, keys, values, context,
+                      dropout_p=self.dropout.p if self.training else 0.0,
+                      return_weights=return_weights, sinks=self.sinks)
 
 
 def _query_scale(scale: float | None, head_dim: int) -> float | None:
@@ -284,14 +153,17 @@ def _query_scale(scale: float | None, head_dim: int) -> float | None:
     return None if factor == 1.0 else factor
 
 
-def _qk_norms(kind: bool | str, head_dim: int) -> tuple[nn.Module, nn.Module]:
-    """QK-norm's two norms, of the kind named (True: RMSNorm), with Qwen3's epsilon."""
+def _qk_norm(kind: bool | str):
+    """QK-norm's option as the core takes it: False, or a maker of the norm of the kind
+    named in gptmini.attention.norm.RMS_NORMS (True: RMSNorm), with Qwen3's epsilon."""
+    if kind is False:
+        return False
     from gptmini.attention.norm import RMS_NORMS  # (loaded by the option that needs it)
 
-    if kind is not True and kind not in RMS_NORMS:
+    kind = "rmsnorm" if kind is True else kind
+    if kind not in RMS_NORMS:
         raise ArgumentError("qk_norm", kind, f"use True or one of {', '.join(RMS_NORMS)}")
-    norm = RMS_NORMS["rmsnorm" if kind is True else kind]
-    return norm(head_dim, eps=1e-6), norm(head_dim, eps=1e-6)
+    return lambda head_dim: RMS_NORMS[kind](head_dim, eps=1e-6)
 
 
 def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, alibi: bool,
@@ -308,7 +180,3 @@ def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, al
     if alibi:
         return SCHEMES["alibi"](num_heads=num_heads)
     return NoPositions() if scheme is None else scheme
-
-
-def _drop_book_mask(module, state_dict, prefix, *args):
-    state_dict.pop(prefix + "mask", None)

@@ -18,9 +18,16 @@ from gptmini.model.config import (
     window_pattern,
 )
 from gptmini.model.feedforward import FeedForwardKind
-from gptmini.model.gpt import GPTModel, TransformerBlock, add_aux_loss, cross_entropy
+from gptmini.model.gpt import (
+    GPTModel,
+    TransformerBlock,
+    add_aux_loss,
+    cross_entropy,
+    init_gpt2_weights,
+)
 from gptmini.model.mixers import TokenMixer
 
 __all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError",
            "FeedForwardKind", "GPTConfig", "GPTModel", "TokenMixer", "TransformerBlock",
-           "add_aux_loss", "cross_entropy", "is_finite_number", "window_pattern"]
+           "add_aux_loss", "cross_entropy", "init_gpt2_weights", "is_finite_number",
+           "window_pattern"]

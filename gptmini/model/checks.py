@@ -4,20 +4,9 @@ the norms' names (`NORMS`), which the config checks and the attention mixer read
 
 import math
 
+from gptmini.core.model import ConfigError
+
 __all__ = ["NORMS", "ConfigError", "is_finite_number"]
-
-
-class ConfigError(ValueError):
-    """A GPTConfig field refused: `field`, its `value` and the `fix`, so that a command can
-    name its own flag for it (`for_flag`)."""
-
-    def __init__(self, field: str, value: object, fix: str):
-        super().__init__(f"GPTConfig.{field}={value!r} is invalid: {fix}")
-        self.field, self.value, self.fix = field, value, fix
-
-    def for_flag(self, prefix: str = "--model.") -> str:
-        """The message with the field named as the command line's flag."""
-        return f"{prefix}{self.field} {self.value!r} is invalid: {self.fix}"
 
 
 def is_finite_number(value: object) -> bool:

@@ -8,11 +8,13 @@ checks the fields it reads."""
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
+from torch import nn
+
 from gptmini.attention import kernels
 from gptmini.attention.context import check_window
-from gptmini.attention.errors import ArgumentError
 from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
+from gptmini.core.layers import ArgumentError
 from gptmini.model.checks import NORMS, ConfigError, is_finite_number
 from gptmini.model.feedforward import MLPS, FeedForwardKind
 from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
@@ -343,6 +345,15 @@ class GPTConfig:
         """A new position scheme of this config (`SCHEMES[position]` for its shape);
         `GPTModel` builds one and hands it to every layer."""
         return SCHEMES[self.position].from_config(self)
+
+    def make_norm(self) -> nn.Module:
+        """A new norm over emb_dim: LayerNorm (the book's), or an RMS norm
+        (gptmini.attention.norm's, faster on a CPU than torch's)."""
+        if self.norm == "layernorm":
+            return nn.LayerNorm(self.emb_dim, eps=self.norm_eps, bias=self.bias)
+        from gptmini.attention.norm import RMS_NORMS  # (loaded by the config that names one)
+
+        return RMS_NORMS[self.norm](self.emb_dim, eps=self.norm_eps)
 
     def mixers(self) -> list[TokenMixer]:
         """Each layer's token mixer (gptmini.model.mixers), one object per kind, built here

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptmini.attention.table import Table
+from gptmini.core.layers import FeedForward, SwiGLU
 
 __all__ = ["MLPS", "FeedForward", "FeedForwardKind", "GeluMLP", "SquaredReLU", "SquaredReluMLP",
            "SwiGLU", "SwiGLUMLP"]
@@ -28,47 +29,9 @@ Config = Any
 """A GPTConfig (gptmini.model.config imports this module, so it is not imported here)."""
 
 
-class FeedForward(nn.Module):
-    """Position-wise MLP: emb_dim -> hidden_dim -> emb_dim with `activation` (the book's
-    GELU with the tanh approximation, by default)."""
-
-    def __init__(self, emb_dim: int, hidden_dim: int, bias: bool = True,
-                 activation: nn.Module | None = None):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(emb_dim, hidden_dim, bias=bias),
-            activation or nn.GELU(approximate="tanh"),
-            nn.Linear(hidden_dim, emb_dim, bias=bias),
-        )
-
-    @property
-    def proj_out(self) -> nn.Linear:
-        return self.layers[2]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.layers(x)
-
-
 class SquaredReLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(x).square()
-
-
-class SwiGLU(nn.Module):
-    """Gated MLP: down(silu(gate(x)) * up(x)), Llama's (names as Hugging Face's)."""
-
-    def __init__(self, emb_dim: int, hidden_dim: int, bias: bool = True):
-        super().__init__()
-        self.gate_proj = nn.Linear(emb_dim, hidden_dim, bias=bias)
-        self.up_proj = nn.Linear(emb_dim, hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(hidden_dim, emb_dim, bias=bias)
-
-    @property
-    def proj_out(self) -> nn.Linear:
-        return self.down_proj
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FeedForwardKind:

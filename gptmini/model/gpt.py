@@ -1,40 +1,26 @@
-"""The GPT model of the book's chapter 4, built on `MultiHeadAttention`.
-
-Token + position embeddings, dropout, `n_layers` pre-LayerNorm transformer blocks
-(attention and a 4x GELU feed-forward, each inside a residual), a final LayerNorm and a
-linear output head: the book's model, and the default. GPTConfig (gptmini.model.config)
-swaps in the modern parts: rotary or ALiBi positions instead of the embedding, RMSNorm,
-SwiGLU or ReLU², QK-norm, no biases, and other token mixers. What a block is made of comes
-from tables, each an object built once from the config: the position scheme
-(gptmini.attention.positions), shared by every layer, makes the position embedding and
-rotates or modifies scores; each layer's token mixer (gptmini.model.mixers) makes its
-attention (or another mixer) and its cache; the feed-forward (gptmini.model.feedforward)
-makes the MLP. Imports only torch, so the model can be lifted into any loop.
+"""The GPT model with every part beyond the core's (gptmini.core.model, the book's chapter 4
+GPT and Qwen3's blocks): what a block is made of comes from tables, each an object built
+once from the config: the position scheme (gptmini.attention.positions), shared by every
+layer, makes the position embedding and rotates or modifies scores; each layer's token
+mixer (gptmini.model.mixers) makes its attention (or another mixer) and its cache; the
+feed-forward (gptmini.model.feedforward) makes the MLP. Imports only torch, so the model
+can be lifted into any loop.
 """
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gptmini.attention import AttentionContext, AttentionSettings, BaseKVCache, Ragged
+from gptmini.attention import AttentionContext, AttentionSettings, BaseKVCache
 from gptmini.attention.positions import PositionScheme
+from gptmini.core import model as core
+from gptmini.core.model import init_gpt2_weights
 from gptmini.model.config import GPTConfig
 from gptmini.model.feedforward import FeedForwardKind
 from gptmini.model.mixers import TokenMixer
 
-__all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy"]
-
-
-def make_norm(cfg: GPTConfig) -> nn.Module:
-    """LayerNorm (the book's) or an RMS norm (gptmini.attention.norm's), over emb_dim."""
-    if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias)
-    from gptmini.attention.norm import RMS_NORMS  # (loaded by the config that names one)
-
-    return RMS_NORMS[cfg.norm](cfg.emb_dim, eps=cfg.norm_eps)  # torch's, faster on a CPU
+__all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy", "init_gpt2_weights"]
 
 
 def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
@@ -61,10 +47,10 @@ class TransformerBlock(nn.Module):
         feed_forward = feed_forward or cfg.feed_forward()
         self.att = mixer.make_module(layer, position_scheme or cfg.position_scheme())
         self.ff = feed_forward.make_module()
-        self.norm1 = make_norm(cfg)
-        self.norm2 = make_norm(cfg)
-        self.post_norm1 = make_norm(cfg) if cfg.post_norms else nn.Identity()
-        self.post_norm2 = make_norm(cfg) if cfg.post_norms else nn.Identity()
+        self.norm1 = cfg.make_norm()
+        self.norm2 = cfg.make_norm()
+        self.post_norm1 = cfg.make_norm() if cfg.post_norms else nn.Identity()
+        self.post_norm2 = cfg.make_norm() if cfg.post_norms else nn.Identity()
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
         # which of the two hand in auxiliary losses (fixed here: no branch on data)
         self.att_aux, self.ff_aux = mixer.aux_loss, feed_forward.aux_loss
@@ -92,64 +78,44 @@ class TransformerBlock(nn.Module):
         return (x, weights) if return_weights else x
 
 
-def _rename_book_norms(module, state_dict, prefix, *args):
-    """Load the book's chapter 4/5 GPTModel state dicts (`torch.save(model.state_dict())`):
-    its LayerNorm names its parameters `scale` and `shift` where nn.LayerNorm has `weight`
-    and `bias`; everything else has the same name (the attention masks are dropped by
-    MultiHeadAttention's own hook)."""
-    for key in [k for k in state_dict if k.startswith(prefix) and "norm" in k]:
-        for book, ours in ((".scale", ".weight"), (".shift", ".bias")):
-            if key.endswith(book):
-                state_dict[key.removesuffix(book) + ours] = state_dict.pop(key)
+class GPTModel(core.GPTModel):
+    """The core's GPT (gptmini.core.model) built from the model's tables: each layer's token
+    mixer and the feed-forward (gptmini.model.mixers, gptmini.model.feedforward), every
+    position scheme and norm, a padded vocabulary, Gemma's embedding scale and logit
+    soft-cap; and a forward that also computes the loss, attention weights and auxiliary
+    losses. `GPTModel(cfg)` keeps PyTorch's initialisation (the book's);
+    `init_gpt2_weights(model)` draws GPT-2's, which a training run starts from."""
 
+    config_class = GPTConfig
+    context_class = AttentionContext
 
-class GPTModel(nn.Module):
-    """GPT-2 style decoder-only language model."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_width, cfg.emb_dim)
+    def __init__(self, cfg: GPTConfig | dict):
+        super().__init__(cfg)
+        cfg = self.cfg
         # Gemma's sqrt(width), a float32 number in the model's dtype as transformers keeps it
         self.register_buffer("emb_scale", torch.tensor(cfg.emb_dim ** 0.5)
                              if cfg.scale_embeddings else None, persistent=False)
-        self.position_scheme = cfg.position_scheme()  # one, shared by every layer
-        pos_emb = self.position_scheme.make_embedding()
-        if pos_emb is not None:  # held under the book's name, which its state dicts use
-            self.pos_emb = pos_emb
-        self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.mixers = cfg.mixers()  # each layer's token mixer: what is asked of a layer
-        self.feed_forward = cfg.feed_forward()
-        self.trf_blocks = nn.ModuleList([
-            TransformerBlock(cfg, self.position_scheme, i, mixer=self.mixers[i],
-                             feed_forward=self.feed_forward) for i in range(cfg.n_layers)])
         # what contexts are built with: the attention layers' (a model with none builds
         # them for positions, with the settings its attention would have)
-        self.attention_settings = next(
+        self._settings = next(
             (block.att.settings for block in self.trf_blocks if hasattr(block.att, "settings")),
             AttentionSettings(window_size=cfg.window_size, position_scheme=self.position_scheme,
                               softcap=cfg.attn_softcap))
-        self.final_norm = make_norm(cfg)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_width, bias=False)
-        self.apply(self._init_weights)
-        # GPT-2 scales the projections that write into the residual stream by
-        # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth.
-        for block, mixer in zip(self.trf_blocks, self.mixers, strict=True):
-            for weight in (*mixer.residual_weights(block.att),
-                           *self.feed_forward.residual_weights(block.ff)):
-                nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
-        if cfg.tie_weights:
-            self.out_head.weight = self.tok_emb.weight
-        self.register_load_state_dict_pre_hook(_rename_book_norms)
 
-    @staticmethod
-    def _init_weights(module: nn.Module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def make_blocks(self, cfg: GPTConfig) -> list[nn.Module]:
+        self.mixers = cfg.mixers()  # each layer's token mixer: what is asked of a layer
+        self.feed_forward = cfg.feed_forward()
+        return [TransformerBlock(cfg, self.position_scheme, i, mixer=self.mixers[i],
+                                 feed_forward=self.feed_forward) for i in range(cfg.n_layers)]
+
+    @property
+    def attention_settings(self) -> AttentionSettings:
+        return self._settings
+
+    def residual_weights(self) -> list[nn.Parameter]:
+        return [weight for block, mixer in zip(self.trf_blocks, self.mixers, strict=True)
+                for weight in (*mixer.residual_weights(block.att),
+                               *self.feed_forward.residual_weights(block.ff))]
 
     # Long by its docstring only (every argument of the model's one entry point); the body
     # is the pass: its context, the embeddings, the blocks, the head.
@@ -215,11 +181,7 @@ class GPTModel(nn.Module):
         """
         context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
         self._check_asked(targets, reduction, logits_to_keep, return_weights, return_parts)
-        x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
-        if self.emb_scale is not None:
-            x = x * self.emb_scale
-        x = self.position_scheme.embed(x, context)
-        x = self.drop_emb(x)
+        x = self.embed(in_idx, context)  # (b, num_tokens, emb_dim)
 
         all_weights = []
         parts: dict[str, Tensor] | None = {} if return_parts else None  # the layers add theirs
@@ -231,7 +193,7 @@ class GPTModel(nn.Module):
                 all_weights.append(weights)
         if targets is not None:
             loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
-                    if loss_chunk_size else cross_entropy(self._logits(x), targets, reduction))
+                    if loss_chunk_size else cross_entropy(self.logits(x), targets, reduction))
             parts = self.feed_forward.finish_aux_losses(parts) if return_parts else None
             total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
             return (total, parts) if return_parts else loss
@@ -239,7 +201,7 @@ class GPTModel(nn.Module):
             x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
         elif logits_to_keep is not None:
             x = x[:, -logits_to_keep:, :]  # (b, logits_to_keep, emb)
-        logits = self._logits(x)  # (b, num_tokens, vocab_size)
+        logits = self.logits(x)  # (b, num_tokens, vocab_size)
         return (logits, all_weights) if return_weights else logits
 
     def _check_asked(self, targets: Tensor | None, reduction: str,
@@ -264,13 +226,8 @@ class GPTModel(nn.Module):
         """The pass's context: the caller's, or built here once for every layer."""
         b, num_tokens = in_idx.shape
         past = len(kv_caches[0]) if kv_caches else 0
-        packed = context is not None and context.ragged is not None  # its rows are checked
-        if past + num_tokens > self.cfg.context_length and not packed:
-            raise ValueError(
-                f"got {past + num_tokens} tokens but context_length is "
-                f"{self.cfg.context_length}; crop to the last {self.cfg.context_length} "
-                f"tokens (idx[:, -{self.cfg.context_length}:])"
-            )
+        if context is None or context.ragged is None:  # a packed row's are checked
+            self.check_length(past + num_tokens)
         if context is None:
             return self.new_context(b, num_tokens, past, attention_mask=attention_mask,
                                     document_ids=document_ids,
@@ -280,7 +237,14 @@ class GPTModel(nn.Module):
                              "not beside a context that already holds its masks")
         return context
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def embed(self, in_idx: Tensor, context: AttentionContext) -> Tensor:
+        x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
+        if self.emb_scale is not None:
+            x = x * self.emb_scale
+        return self.drop_emb(self.position_scheme.embed(x, context))
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The head, soft-capped if the config says so, padding ids cut off."""
         logits = self.out_head(self.final_norm(x))  # (..., vocab_width)
         if self.cfg.logit_softcap is not None:
             logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
@@ -291,7 +255,7 @@ class GPTModel(nn.Module):
 
     def _chunked_loss(self, x: Tensor, targets: Tensor, reduction: str, chunk: int) -> Tensor:
         def piece(rows: Tensor, row_targets: Tensor) -> Tensor:
-            return cross_entropy(self._logits(rows), row_targets, "none")  # (chunk,)
+            return cross_entropy(self.logits(rows), row_targets, "none")  # (chunk,)
 
         rows, flat = x.flatten(0, 1), targets.flatten()  # (b * num_tokens, emb), (b * num_tokens,)
         losses = torch.cat([
@@ -303,18 +267,6 @@ class GPTModel(nn.Module):
         if reduction == "sum":
             return losses.sum()
         return losses.sum() / (flat != -100).sum()
-
-    def new_context(self, batch: int, num_tokens: int, num_cached: int = 0, *,
-                    attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
-                    uses_cache: bool = False, positions: Tensor | None = None,
-                    ragged: Ragged | None = None, device=None) -> AttentionContext:
-        """The AttentionContext of one forward pass with this model's attention settings
-        (window, position scheme, soft-cap); forward builds it, and so does the engine for
-        a step."""
-        return AttentionContext.build(
-            batch, num_tokens, num_cached, settings=self.attention_settings,
-            attention_mask=attention_mask, document_ids=document_ids, uses_cache=uses_cache,
-            positions=positions, ragged=ragged, device=device)
 
     def new_kv_caches(self) -> list:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`, as each layer's

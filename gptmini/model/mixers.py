@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from gptmini.attention import KVCache, MultiHeadAttention
+from gptmini.attention import MultiHeadAttention
 from gptmini.attention.positions import PositionScheme
 from gptmini.attention.table import Table
 from gptmini.model.checks import NORMS, ConfigError
@@ -66,6 +66,8 @@ class TokenMixer:
 
     def new_cache(self, module: nn.Module) -> object:
         """An empty cache (or state) for `module`, as forward's kv_caches take it."""
+        from gptmini.attention.kv_cache import KVCache  # (loaded when generation asks)
+
         return KVCache()
 
     def flops_per_token(self, layer: int, seq_len: int) -> float:
@@ -112,10 +114,10 @@ class Attention(TokenMixer):
             scale=None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5,
         )
 
-    def new_cache(self, module: MultiHeadAttention) -> KVCache:
+    def new_cache(self, module: MultiHeadAttention) -> object:
         window = module.settings.window_size  # a windowed layer's cache holds its window only
         if window is None:
-            return KVCache()
+            return super().new_cache(module)
         from gptmini.attention.window_cache import WindowKVCache  # (loaded with a window)
 
         return WindowKVCache(window)

@@ -19,7 +19,7 @@ from gptmini.checkpoint import model_config, write_model_entries
 from gptmini.data.verifiable import VerifiableTask
 from gptmini.finetune import adapter_state
 from gptmini.finetune.dpo import DPO
-from gptmini.model import ConfigError, GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
@@ -131,7 +131,7 @@ class GPTLitModule(L.LightningModule):
                              loss_chunk_size=loss_chunk_size)  # the loss, metrics, batches
         self.weights = trained_weights(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
                                        targets=lora_targets, init_from=init_from)  # or LoRA's
-        self.model = GPTModel(self.cfg)
+        self.model = init_gpt2_weights(GPTModel(self.cfg))  # where a run starts
         self.task_keys = self.task.prepare(self.model)  # a class head: fresh, and it trains
         self.weights.apply(self.model, self.task_keys)
         # Lightning loads a checkpoint's state_dict into this module: an adapter checkpoint

@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
 from gptmini.attention.kernels import attend, make_kernel
-from gptmini.attention.kv_cache import BaseKVCache
 from gptmini.attention.norm import RMSNorm
 from gptmini.attention.positions import NoPositions, PositionScheme
+from gptmini.core.attention import BaseKVCache
 from gptmini.model import ConfigError, GPTConfig
 from gptmini.model.mixers import TokenMixer
 

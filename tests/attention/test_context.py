@@ -7,19 +7,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention, masks
+from gptmini.attention import BaseKVCache, KVCache, MultiHeadAttention
 from gptmini.attention.context import (
     AttentionContext,
     AttentionSettings,
     positions_in_documents,
 )
 from gptmini.attention.positions import AlibiPositions
+from gptmini.core import masks as core_masks
 from gptmini.generate.engine.paged import KVPool, PagedView
 from gptmini.model import GPTModel
 
 
-def counting(monkeypatch, name, module=masks):
-    """Count the calls of module.<name> (masks': made through gptmini.attention.context)."""
+def counting(monkeypatch, name, module=core_masks):
+    """Count the calls of module.<name> (the core's masks: made through the context)."""
     calls = []
     original = getattr(module, name)
 
@@ -32,8 +33,8 @@ def counting(monkeypatch, name, module=masks):
 
 
 FORMS = {  # backend: the form of the mask its kernel reads, and the module that makes it
-    "sdpa": ("dense", "gptmini.attention.masks"),
-    "explicit": ("dense", "gptmini.attention.masks"),
+    "sdpa": ("dense", "gptmini.core.masks"),
+    "explicit": ("dense", "gptmini.core.masks"),
     "tiled": ("tile_plan", "gptmini.attention.kernels.tiled"),
     "flex": ("block_mask", "gptmini.attention.kernels.flex"),
 }

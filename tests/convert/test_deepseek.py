@@ -11,7 +11,7 @@ import torch
 from gptmini.checkpoint import load_checkpoint
 from gptmini.convert import export_hf, load_hf
 from gptmini.generate.loop import generate
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.tokenizer import get_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -34,7 +34,7 @@ def tiny_config(**overrides) -> GPTConfig:
 def random_model(cfg: GPTConfig) -> GPTModel:
     """float64, with random norm gains too, so that a swapped norm cannot pass unseen."""
     torch.manual_seed(1)
-    model = GPTModel(cfg).double().eval()
+    model = init_gpt2_weights(GPTModel(cfg)).double().eval()  # a run's start: GPT-2's scales
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

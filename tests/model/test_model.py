@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from gptmini.attention import MultiHeadAttention
-from gptmini.model import GPT_CONFIG_124M, PRESETS, ConfigError, GPTConfig, GPTModel
+from gptmini.model import (
+    GPT_CONFIG_124M,
+    PRESETS,
+    ConfigError,
+    GPTConfig,
+    GPTModel,
+    init_gpt2_weights,
+)
 from gptmini.model.flops import num_parameters
 
 
@@ -58,7 +65,7 @@ def test_forward_shapes(tiny_config):
 
 def test_untrained_loss_is_near_log_vocab():
     cfg = GPTConfig.from_preset("cpu-tiny")
-    model = GPTModel(cfg).eval()
+    model = init_gpt2_weights(GPTModel(cfg)).eval()  # where a training run starts
     idx = torch.randint(0, cfg.vocab_size, (4, 33))
     logits = model(idx[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
@@ -136,6 +143,8 @@ def test_invalid_config_names_the_field_and_fix(tiny_config, field, value, messa
 
 def test_gpt2_initialization_scales_residual_projections(tiny_config):
     model = GPTModel(GPTConfig(**{**tiny_config.to_dict(), "emb_dim": 256, "n_heads": 4}))
+    assert model.tok_emb.weight.std() > 0.5  # the constructor keeps PyTorch's (the book's)
+    init_gpt2_weights(model)
     proj_std = model.trf_blocks[0].att.out_proj.weight.std().item()
     q_std = model.trf_blocks[0].att.W_query.weight.std().item()
     assert abs(q_std - 0.02) < 0.002

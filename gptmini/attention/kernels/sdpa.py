@@ -1,4 +1,5 @@
-"""torch's fused scaled_dot_product_attention: the default kernel."""
+"""torch's fused scaled_dot_product_attention (gptmini.core.kernels), with an additive
+score modifier, attention sinks, and a GPU's backends chosen for a growing KV cache."""
 
 from contextlib import nullcontext
 
@@ -7,7 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gptmini.attention.kernels.explicit import explicit_attention
+from gptmini.core import kernels as core
+
+__all__ = ["SdpaKernel", "backends_for"]
 
 # With a KV cache every step has a new key length, for which cuDNN's attention builds a
 # graph: 39.9 ms a GPT-2 124M decode step on an H200 against 5.8 ms without it (bf16,
@@ -20,40 +23,31 @@ def backends_for(device: torch.device, uses_cache: bool) -> list[SDPBackend] | N
     return GROWING_KEYS if device.type == "cuda" and uses_cache else None
 
 
-class SdpaKernel:
-    """`F.scaled_dot_product_attention`. With causal alone over the whole call it passes
-    `is_causal=True` and no mask, so flash kernels stay eligible on GPUs; any other mask
-    goes as the context's dense boolean mask, and an additive score modifier (ALiBi) with
-    it as one float bias. SDPA has no hook for other modifiers (soft-capping): with one,
-    this kernel computes the scores itself, as the explicit path does. Sinks are one more
-    key and value, both zero, whose bias is the sink (gptmini.attention.sinks)."""
+class SdpaKernel(core.SdpaKernel):
+    """The core's SDPA kernel; an additive score modifier (ALiBi) goes with the mask as one
+    float bias, and sinks are one more key and value, both zero, whose bias is the sink
+    (gptmini.attention.sinks). Any other modifier (soft-capping) takes the explicit path.
+    A cached call on a GPU keeps off cuDNN's attention (`backends_for`)."""
 
-    has_dropout = True
     has_sinks = True
 
     def __call__(self, queries: Tensor, keys: Tensor, values: Tensor, context,
                  dropout_p: float = 0.0, *, sinks: Tensor | None = None) -> Tensor:
+        mod = context.score_mod
         backends = backends_for(queries.device, context.uses_cache)
         with nullcontext() if backends is None else sdpa_kernel(backends):
-            return self._attend(queries, keys, values, context, dropout_p, sinks)
+            if sinks is None and (mod is None or not getattr(mod, "additive", False)):
+                return super().__call__(queries, keys, values, context, dropout_p)
+            if mod is not None and not getattr(mod, "additive", False):
+                from gptmini.attention.kernels.explicit import explicit_attention
 
-    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, context,
-                dropout_p: float, sinks: Tensor | None) -> Tensor:
-        gqa = keys.shape[1] != queries.shape[1]
-        mod = context.score_mod
-        if mod is not None and not getattr(mod, "additive", False):
-            return explicit_attention(queries, keys, values, context, dropout_p,
-                                      sinks=sinks)[0]
-        if sinks is not None:  # (loaded by the option that needs it, as every sink's path)
-            from gptmini.attention.sinks import sdpa_with_sinks
+                return explicit_attention(queries, keys, values, context, dropout_p,
+                                          sinks=sinks)[0]
+            if sinks is not None:  # (loaded by the option that needs it)
+                from gptmini.attention.sinks import sdpa_with_sinks
 
-            return sdpa_with_sinks(queries, keys, values, context, dropout_p, sinks)
-        if mod is not None:
+                return sdpa_with_sinks(queries, keys, values, context, dropout_p, sinks)
             bias = context.float_mask(queries.shape[1], queries.dtype)
             return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
-                                                  dropout_p=dropout_p, enable_gqa=gqa)
-        if context.plain_causal:
-            return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout_p,
-                                                  is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=context.dense(),
-                                              dropout_p=dropout_p, enable_gqa=gqa)
+                                                  dropout_p=dropout_p,
+                                                  enable_gqa=keys.shape[1] != queries.shape[1])

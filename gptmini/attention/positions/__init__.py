@@ -1,12 +1,10 @@
 """Position schemes, one object per scheme: how a token's place enters the model.
 
-    base.py     `PositionScheme`: where a scheme may act (an embedding, a rotation of queries
-                and keys, a score modifier) and whether it is relative
-    learned.py  the book's: a learned embedding of each position added to the token's
-    rope.py     rotary embeddings: queries and keys rotated by position, so q·k depends only
-                on distances
-    alibi.py    ALiBi: each head's scores penalized by the distance
-    none.py     no positions: a causal decoder reads order from its mask
+    learned, none   the book's learned embedding, and no positions (gptmini.core.positions)
+    rope.py         rotary positions (the core's) with Llama 3's and YaRN's frequency scaling
+                    (scaling.py) and a local layers' base of their own
+    alibi.py        ALiBi: each head's scores penalized by the distance
+    base.py         `PositionScheme` (the core's) and the sizes a scheme is built from
 
 `GPTConfig.position` names one of `SCHEMES`; `GPTConfig.position_scheme()` builds it (the
 scheme checks its own constraints there), and `GPTModel` builds it once and hands it to
@@ -17,9 +15,8 @@ every layer. Generation, FLOP counts and checkpoints ask the scheme (`relative`,
 import importlib
 
 from gptmini.attention.positions.base import ModelShape, PositionScheme
-from gptmini.attention.positions.learned import LearnedPositions
-from gptmini.attention.positions.none import NoPositions
 from gptmini.attention.table import Table
+from gptmini.core.positions import LearnedPositions, NoPositions
 
 __all__ = ["SCHEMES", "AlibiPositions", "LearnedPositions", "ModelShape", "NoPositions",
            "PositionScheme", "RotaryPositions", "alibi_slopes", "apply_rope", "rope_angles"]

@@ -27,16 +27,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gptmini.attention.errors import ArgumentError
+from gptmini.core.layers import ArgumentError
+from gptmini.core.positions import plain_inv_freq
 
 __all__ = ["ROPE_SCALINGS", "Llama3Scaling", "LinearScaling", "RopeScaling", "YarnScaling",
            "plain_inv_freq", "rope_scaling"]
-
-
-def plain_inv_freq(head_dim: int, theta: float, dtype: torch.dtype,
-                   device: torch.device | str | None = None) -> Tensor:
-    """Rotary positions' own frequencies: theta ** (-2i / head_dim), (head_dim / 2,)."""
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim)
 
 
 class RopeScaling:
