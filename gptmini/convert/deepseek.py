@@ -2,9 +2,10 @@
 
 A GPTConfig with `mla_kv_lora_rank` set, rotary positions, RMSNorm, SwiGLU and no biases is
 a DeepSeek-V3 whose every layer is dense: `first_k_dense_replace = num_hidden_layers`, so
-that no layer has a mixture of experts (gptmini has none). Its attention parameters already
-carry DeepSeek's names (gptmini.variants.latent), so the table below is the block's frame
-(norms, MLP, embeddings) plus `o_proj`, gptmini's `out_proj`.
+that no layer has a mixture of experts (gptmini's, gptmini.variants.moe, is Qwen3-MoE's:
+it has none of DeepSeek's shared experts or grouped, biased routing). Its attention
+parameters already carry DeepSeek's names (gptmini.variants.latent), so the table below is
+the block's frame (norms, MLP, embeddings) plus `o_proj`, gptmini's `out_proj`.
 
 Rotary layout: DeepSeek's checkpoints rotate interleaved pairs (2i, 2i + 1) of the rotary
 part (`rope_interleave`, true by default in transformers); gptmini rotates halves (i,
@@ -105,8 +106,9 @@ def config_from_deepseek(hf_config: Mapping) -> GPTConfig:
     dense = c.get("first_k_dense_replace", 3)
     if not isinstance(dense, int) or dense < layers:
         problems.append(f"first_k_dense_replace={dense!r} below num_hidden_layers={layers} "
-                        "(mixture-of-experts layers; gptmini's MLP is dense: only a "
-                        "DeepSeek-V3 with first_k_dense_replace >= num_hidden_layers loads)")
+                        "(mixture-of-experts layers of DeepSeek's, which gptmini does not "
+                        "compute: only a DeepSeek-V3 with first_k_dense_replace >= "
+                        "num_hidden_layers loads)")
     theta, rope_problems = rope_base(c, "DeepSeek-V3")
     problems += rope_problems
     if c.get("hidden_act", "silu") != "silu":

@@ -216,7 +216,7 @@ def config_to_gemma3(cfg: GPTConfig) -> dict:
         "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
         "vocab_size": cfg.vocab_width, "hidden_size": cfg.emb_dim,
         "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_size, "hidden_activation": ACTIVATION,
         "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
         "query_pre_attn_scalar": _whole(cfg.attn_scale_dim or cfg.head_size),

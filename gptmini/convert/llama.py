@@ -251,7 +251,7 @@ def config_to_llama(cfg: GPTConfig) -> dict:
         "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_size,
         "max_position_embeddings": cfg.context_length,
         "rms_norm_eps": cfg.norm_eps,

@@ -101,7 +101,7 @@ class GPTConfig:
                             ("norm", NORMS), ("mlp", MLPS)):
             self._need(getattr(self, name) in table, name, f"use one of {', '.join(table)}")
         try:
-            check_heads(self.emb_dim, self.n_heads, self.n_kv_heads or self.n_heads)
+            check_heads(self.emb_dim, self.n_heads, self.kv_heads)
             check_dropout(self.drop_rate)
             self.position_scheme()
         except ArgumentError as err:
@@ -118,6 +118,11 @@ class GPTConfig:
     @property
     def head_size(self) -> int:
         return self.emb_dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads where it is None."""
+        return self.n_kv_heads or self.n_heads
 
     @property
     def vocab_width(self) -> int:

@@ -14,6 +14,7 @@ from gptmini.attention import kernels
 from gptmini.attention.context import check_window
 from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
+from gptmini.core import model as core
 from gptmini.core.layers import ArgumentError
 from gptmini.model.checks import NORMS, ConfigError, is_finite_number
 from gptmini.model.feedforward import MLPS, FeedForwardKind
@@ -59,30 +60,18 @@ def window_pattern(spec: str, window: int, n_layers: int) -> list[int | None]:
 
 
 @dataclass
-class GPTConfig:
-    """Architecture of a GPT model, with the book's field names."""
+class GPTConfig(core.GPTConfig):
+    """Architecture of a GPT model: the core's fields (gptmini.core.model.GPTConfig, the
+    book's names first), some of them with more choices here, and the options beyond the
+    core. It checks itself against the tables, not against the core's few parts."""
 
-    vocab_size: int = 50257
-    """Number of token ids the tokenizer has; 50257 for GPT-2's BPE."""
-    context_length: int = 1024
-    """Most tokens the model sees at once (size of the position embedding)."""
-    emb_dim: int = 768
-    """Width of the residual stream."""
     n_heads: int = 12
     """Attention (query) heads per layer; must divide emb_dim unless head_dim is set."""
-    n_layers: int = 12
-    """Transformer blocks."""
     drop_rate: float = 0.1
     """Dropout on embeddings and residual branches, and on attention weights unless
     attn_drop_rate says otherwise."""
-    qkv_bias: bool = False
-    """Bias in the query, key and value projections (GPT-2 has it)."""
-    n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; None means n_heads, 1 multi-query."""
     window_size: int | None = None
     """Sliding-window attention: each token sees this many most recent tokens; None = all."""
-    tie_weights: bool = False
-    """Share the token embedding with the output head (GPT-2 does; the book does not)."""
     attention_backend: str = "sdpa"
     """Attention kernel: sdpa (fused, flash on GPUs), explicit (the book's), flex
     (FlexAttention, compiled; forward only on CPU), tiled (flash attention from scratch), or
@@ -97,8 +86,6 @@ class GPTConfig:
     """How positions enter, a name in gptmini.attention.positions.SCHEMES: learned (the
     book's embedding), rope (rotary queries and keys), alibi (per-head distance penalties on
     the scores) or none."""
-    rope_theta: float = 10000.0
-    """Rotary base: frequency i of a head is rope_theta ** (-2i / head_dim)."""
     norm: str = "layernorm"
     """layernorm (the book's), rmsnorm (no mean, no bias: Llama's) or rmsnorm1p (its gain
     1 + weight, the weight starting at 0: Gemma's)."""
@@ -112,8 +99,6 @@ class GPTConfig:
     """The MLP's (each expert's) hidden width; None: the feed-forward's (gelu's 4 * emb_dim)."""
     mlp_options: dict | None = None
     """The feed-forward's own options by name (moe's experts, top_k, ...); None: none."""
-    qk_norm: bool = False
-    """RMSNorm on each head's queries and keys before attending (Qwen3, OLMo 2)."""
     bias: bool = True
     """Biases in the attention's output projection, the MLP and LayerNorm (GPT-2 has them;
     Llama has none). The query/key/value projections follow qkv_bias."""
@@ -214,7 +199,7 @@ class GPTConfig:
             value = getattr(self, field)
             need(isinstance(value, int) and value >= 1, field, "use a positive integer")
         with self._as_field(num_heads="n_heads", num_kv_heads="n_kv_heads"):
-            check_heads(self.emb_dim, self.n_heads, self.n_kv_heads or self.n_heads,
+            check_heads(self.emb_dim, self.n_heads, self.kv_heads,
                         self.head_dim)
         for field in ("drop_rate", "attn_drop_rate"):
             value = getattr(self, field)

@@ -130,7 +130,7 @@ class Attention(TokenMixer):
         width H * head_dim in place of d in all but the input's side."""
         cfg = self.cfg
         d, inner = cfg.emb_dim, cfg.n_heads * cfg.head_size
-        kv_dim = cfg.head_size * (cfg.n_kv_heads or cfg.n_heads)
+        kv_dim = cfg.head_size * cfg.kv_heads
         gate = {"none": 0, "headwise": cfg.n_heads, "elementwise": inner}[cfg.attn_gate]
         weights = d * inner + 2 * d * kv_dim + inner * d + d * gate
         return 6 * weights + 12 * seq_len * inner

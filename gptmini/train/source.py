@@ -123,7 +123,7 @@ def architecture_differences(source: GPTConfig, cfg: GPTConfig) -> list[str]:
     but CHANGEABLE_FIELDS, and a context_length past the source's. Spellings of the same
     model agree (n_kv_heads None is n_heads, head_dim None emb_dim / n_heads, mlp_hidden_dim
     None its default width, padded_vocab_size None is vocab_size)."""
-    same = {"n_kv_heads": lambda c: c.n_kv_heads or c.n_heads,
+    same = {"n_kv_heads": lambda c: c.kv_heads,
             "head_dim": lambda c: c.head_size,
             "mlp_hidden_dim": lambda c: c.hidden_dim,
             "padded_vocab_size": lambda c: c.vocab_width}

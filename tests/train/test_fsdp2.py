@@ -17,7 +17,12 @@ from gptmini.train.command import build_cli
 sys.path.insert(0, str(REPO / "bench"))
 import fsdp_parity  # noqa: E402  (bench/, as tests/test_gpu_proof.py reads gpu_proof)
 
-TOLERANCE = 1e-5  # fp32: a loss near 10 is rounded to about 1e-6 by itself
+TOLERANCE = 3e-5
+"""fp32 rounds a loss near 10 to about 1e-6 by itself, and two ranks sum the gradients in
+another order than one process; where the CPU has bf16 units, Muon's Newton-Schulz runs in
+bf16 and rounds those differences further: 1.24e-5 after 4 steps on a 2-core Xeon with AMX
+(the same before and after issue 53), under 1e-5 on a Zen 4. A wrong shard or window moves
+the loss by 1e-2 and more."""
 
 
 @pytest.fixture(scope="module")

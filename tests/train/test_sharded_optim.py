@@ -94,9 +94,16 @@ def sharded_training(mesh) -> dict[str, torch.Tensor]:
 
 
 def test_muon_on_two_ranks_of_fsdp2_steps_as_on_one_process_bit_for_bit(ranks):
-    torch.manual_seed(0)
-    model = make_model(qkv_bias=True).train()
-    train(model, muon_adamw(model, **RATES, device=CPU))
+    # on one thread, as run_ranks' processes train: two threads split the embedding's
+    # backward sums otherwise (tok_emb differed where OMP_NUM_THREADS was unset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = make_model(qkv_bias=True).train()
+        train(model, muon_adamw(model, **RATES, device=CPU))
+    finally:
+        torch.set_num_threads(threads)
     sharded = ranks[0]["weights"]
     for name, want in model.named_parameters():
         torch.testing.assert_close(sharded[name], want, rtol=0, atol=0, msg=name)

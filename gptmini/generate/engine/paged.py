@@ -27,7 +27,7 @@ class KVPool:
 
     def __init__(self, cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_layers: int | None = None):
-        kv_heads = cfg.n_kv_heads or cfg.n_heads
+        kv_heads = cfg.kv_heads
         num_layers = cfg.n_layers if num_layers is None else num_layers
         shape = (num_layers, num_blocks * block_size, kv_heads, cfg.head_size)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
