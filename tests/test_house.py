@@ -14,6 +14,13 @@ from pathlib import Path
 
 from helpers import HANG_SECONDS
 
+from gptmini.attention.gate import GATES
+from gptmini.attention.kernels import KERNELS
+from gptmini.attention.norm import RMS_NORMS
+from gptmini.attention.positions import SCHEMES
+from gptmini.core.model import POSITIONS
+from gptmini.model import MIXERS, MLPS, NORMS
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "gptmini"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -186,12 +193,20 @@ def test_the_architecture_pages_import_table_is_the_codes_and_points_one_way():
     assert units == set(order), f"the table lacks {sorted(units - set(order))}"
 
 
-TABLE_MODULES = {"gptmini/model/mixers.py", "gptmini/model/feedforward.py"}
-"""Where a mixer's or a feed-forward's name may be read: their tables (and the variants'
-own files, each its table entry's object)."""
-# ("attention" is every word's)
-PART_NAMES = {"mla", "deltanet", "gelu", "swiglu", "relu2", "moe", "geglu"}
-PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank"}
+TABLE_MODULES = {"gptmini/model/mixers.py", "gptmini/model/feedforward.py",
+                 "gptmini/model/checks.py", "gptmini/attention/kernels/__init__.py",
+                 "gptmini/attention/positions/__init__.py", "gptmini/attention/gate.py",
+                 "gptmini/attention/norm.py", "gptmini/core/kernels.py", "gptmini/core/model.py"}
+"""Where a part's name may be read: the tables that name mixers, feed-forwards, kernels,
+position schemes, norms and gates (and the variants' own files, each its table entry's
+object)."""
+TABLES = {"MIXERS": MIXERS, "MLPS": MLPS, "KERNELS": KERNELS, "SCHEMES": SCHEMES,
+          "NORMS": NORMS, "RMS_NORMS": RMS_NORMS, "GATES": GATES, "POSITIONS": POSITIONS}
+"""Every table of parts by its name in the code, read here so that a new entry is known."""
+# ("attention" and "none" are every word's: a field that names a part catches them)
+PART_NAMES = {name for table in TABLES.values() for name in table} - {"attention", "none"}
+PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank", "attention_backend", "position",
+               "norm", "attn_gate"}
 PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet",
                 "GatedDeltaNetLayer", "DeltaNetState", "TransformerBlock", "FeedForward",
                 "SwiGLU", "MixtureOfExperts"}
@@ -201,11 +216,17 @@ def name_branches(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, code) of every comparison against a mixer's or feed-forward's name or the
     fields that name them (`"deltanet" in cfg.layer_kinds`, `cfg.mlp == "swiglu"`,
     `cfg.mla_kv_lora_rank is not None`, `cfg.layer_kind(i) == ...`, the same through
-    getattr), and every isinstance on their modules' classes."""
+    getattr), every table looked up by a name written out (`SCHEMES["rope"]`), and every
+    isinstance on their modules' classes."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
+        if (isinstance(node, ast.Subscript) and getattr(node.value, "id", None) in TABLES
+                and isinstance(node.slice, ast.Constant)):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Compare):
             parts = [node.left, *node.comparators]
+            if any(getattr(n, "id", None) in TABLES for p in parts for n in ast.walk(p)):
+                continue  # asking a table (`cfg.norm in NORMS`) is no branch
             named = any(isinstance(p, ast.Constant) and p.value in PART_NAMES for p in parts)
             for sub in (s for p in parts for s in ast.walk(p)):
                 named |= isinstance(sub, ast.Attribute) and sub.attr in PART_FIELDS
@@ -222,10 +243,10 @@ def name_branches(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def test_nothing_outside_the_tables_branches_on_a_mixers_or_feed_forwards_name():
-    """Each layer's token mixer and feed-forward is an object the code asks (issue 44): a
-    branch on their names or classes anywhere else (model, engine, generation, training,
-    conversion) is a new variant wired through the core by hand."""
+def test_nothing_outside_the_tables_branches_on_a_parts_name():
+    """Each layer's token mixer, feed-forward, kernel, position scheme, norm and gate is an
+    object the code asks (issues 44 and 53): a branch on their names or classes anywhere
+    else (model, engine, generation, training, conversion) is a part wired in by hand."""
     branches = []
     for file in sorted(PACKAGE.rglob("*.py")):
         where = str(file.relative_to(REPO))
@@ -245,9 +266,14 @@ def test_the_branch_check_catches_what_it_forbids():
               'if model.cfg.mla_kv_lora_rank is not None: pass',
               'x = 3 if cfg.mlp == "swiglu" else 2',
               'if kind == "deltanet": pass',
+              'scheme = SCHEMES["rope"](head_dim=8)',
+              'if cfg.norm == "layernorm": pass',
+              'if self.attn_gate != "none": pass',
+              'if backend == "flex" and device.type == "cpu": pass',
               'if isinstance(block, DeltaNetBlock) or isinstance(att, MultiHeadAttention): pass']
     for code in caught:
         assert name_branches(ast.parse(code)), code
     fine = ["if not mixer.pageable: pass", 'if args.command == "attention": pass',
-            "x = mixer.flops_per_token(i, seq_len)"]
+            "x = mixer.flops_per_token(i, seq_len)", 'if reduction == "none": pass',
+            "scheme = SCHEMES[cfg.position].from_config(cfg)"]
     assert [code for code in fine if name_branches(ast.parse(code))] == []

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gptmini.attention.context import AttentionContext, AttentionSettings, layer_context
 from gptmini.attention.kernels import KERNELS, attend, backend_name, make_kernel
-from gptmini.attention.positions import SCHEMES, NoPositions, PositionScheme
+from gptmini.attention.positions import NoPositions, PositionScheme
 from gptmini.core import attention as core
 from gptmini.core.attention import check_dropout, check_heads
 from gptmini.core.layers import ArgumentError
@@ -175,8 +175,12 @@ def _position_scheme(scheme: PositionScheme | None, rope_theta: float | None, al
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)} each choose how positions enter: pass one "
                          "(rope_theta and alibi are short for a position_scheme)")
-    if rope_theta is not None:
-        return SCHEMES["rope"](head_dim=head_dim, theta=rope_theta)
+    if rope_theta is not None:  # (the schemes load with the option that names them)
+        from gptmini.attention.positions.rope import RotaryPositions
+
+        return RotaryPositions(head_dim=head_dim, theta=rope_theta)
     if alibi:
-        return SCHEMES["alibi"](num_heads=num_heads)
+        from gptmini.attention.positions.alibi import AlibiPositions
+
+        return AlibiPositions(num_heads=num_heads)
     return NoPositions() if scheme is None else scheme

@@ -33,7 +33,8 @@ GPT_CONFIG_124M = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, 
                    "n_layers": 12, "drop_rate": 0.1, "qkv_bias": False}
 
 POSITIONS = {"learned": LearnedPositions, "rope": RotaryPositions, "none": NoPositions}
-NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
+NORMS = {"layernorm": lambda cfg: nn.LayerNorm(cfg.emb_dim, eps=cfg.norm_eps, bias=cfg.bias),
+         "rmsnorm": lambda cfg: nn.RMSNorm(cfg.emb_dim, eps=cfg.norm_eps)}
 MLPS = {"gelu": (FeedForward, lambda emb_dim: 4 * emb_dim),
         "swiglu": (SwiGLU, lambda emb_dim: -(-8 * emb_dim // 3 // 64) * 64)}
 """The core's parts by their config names (a feed-forward with its default width)."""
@@ -134,10 +135,8 @@ class GPTConfig:
         return POSITIONS[self.position].from_config(self)
 
     def make_norm(self) -> nn.Module:
-        """A new norm over emb_dim (nn.LayerNorm's `bias` is cfg.bias)."""
-        if self.norm == "layernorm":
-            return nn.LayerNorm(self.emb_dim, eps=self.norm_eps, bias=self.bias)
-        return NORMS[self.norm](self.emb_dim, eps=self.norm_eps)
+        """A new norm over emb_dim (LayerNorm's bias is cfg.bias)."""
+        return NORMS[self.norm](self)
 
     @property
     def hidden_dim(self) -> int:

@@ -16,6 +16,7 @@ from gptmini.attention.multihead import check_dropout, check_heads
 from gptmini.attention.positions import SCHEMES, PositionScheme
 from gptmini.core import model as core
 from gptmini.core.layers import ArgumentError
+from gptmini.core.positions import RotaryPositions
 from gptmini.model.checks import NORMS, ConfigError, is_finite_number
 from gptmini.model.feedforward import MLPS, FeedForwardKind
 from gptmini.model.mixers import MIXERS, TokenMixer, layer_mixer_names
@@ -230,7 +231,7 @@ class GPTConfig(core.GPTConfig):
                  field, f"position {self.position!r} does not read it: use position 'rope', "
                  "or None")
         with self._as_field(head_dim="n_heads" if self.head_dim is None else "head_dim"):
-            SCHEMES["rope"].check_theta(self.rope_theta)  # the base's one rule, any scheme
+            RotaryPositions.check_theta(self.rope_theta)  # the base's one rule, any scheme
             self.position_scheme()  # checks its own constraints
         for field, fix in (("attn_softcap", "a finite positive cap such as 50, or None"),
                            ("logit_softcap", "a finite positive cap such as 30, or None"),
@@ -239,10 +240,6 @@ class GPTConfig(core.GPTConfig):
             if getattr(self, field) is not None:
                 self._need_number(field, lambda x: x > 0.0, "use " + fix)
         need(isinstance(self.attn_sinks, bool), "attn_sinks", "use true or false")
-        if self.attn_gate != "none":  # the gate's table loads with the option that uses it
-            from gptmini.attention.gate import GATES
-
-            need(self.attn_gate in GATES, "attn_gate", f"use one of {', '.join(GATES)}")
 
     def _check_blocks(self) -> None:
         """Norm, the layers' token mixers and the feed-forward, each of which checks the
@@ -332,13 +329,13 @@ class GPTConfig(core.GPTConfig):
         return SCHEMES[self.position].from_config(self)
 
     def make_norm(self) -> nn.Module:
-        """A new norm over emb_dim: LayerNorm (the book's), or an RMS norm
-        (gptmini.attention.norm's, faster on a CPU than torch's)."""
-        if self.norm == "layernorm":
-            return nn.LayerNorm(self.emb_dim, eps=self.norm_eps, bias=self.bias)
-        from gptmini.attention.norm import RMS_NORMS  # (loaded by the config that names one)
+        """A new norm over emb_dim: an RMS norm (gptmini.attention.norm's, faster on a CPU
+        than torch's), or LayerNorm (the book's)."""
+        from gptmini.attention.norm import RMS_NORMS
 
-        return RMS_NORMS[self.norm](self.emb_dim, eps=self.norm_eps)
+        if self.norm in RMS_NORMS:
+            return RMS_NORMS[self.norm](self.emb_dim, eps=self.norm_eps)
+        return nn.LayerNorm(self.emb_dim, eps=self.norm_eps, bias=self.bias)
 
     def mixers(self) -> list[TokenMixer]:
         """Each layer's token mixer (gptmini.model.mixers), one object per kind, built here

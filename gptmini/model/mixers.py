@@ -90,7 +90,14 @@ class Attention(TokenMixer):
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Attention":
-        return cls(cfg)  # its options are GPTConfig's own fields, checked there
+        """Its options are GPTConfig's own fields, checked there; the gate's here, where its
+        table loads with the option that uses it."""
+        if cfg.attn_gate != "none":
+            from gptmini.attention.gate import GATES
+
+            if cfg.attn_gate not in GATES:
+                raise ConfigError("attn_gate", cfg.attn_gate, f"use one of {', '.join(GATES)}")
+        return cls(cfg)
 
     def make_module(self, layer: int, position_scheme: PositionScheme) -> MultiHeadAttention:
         cfg = self.cfg

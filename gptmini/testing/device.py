@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptmini.attention import kernels
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2,
              torch.bfloat16: 6e-2}
@@ -157,14 +157,15 @@ def check_case(device: torch.device, dtype: torch.dtype, backend: str, cfg: GPTC
                seed: int = 0, alter: Callable[[nn.Module], None] | None = None) -> Case:
     """One dtype and backend: forward, backward and an AdamW step against CPU float64."""
     case = Case(dtype, backend, TOLERANCE.get(dtype, 6e-2))
-    if backend == "flex" and device.type == "cpu":  # FlexKernel refuses it: say so, skip
-        case.skipped = (f"flex has no backward pass on CPU (torch {torch.__version__}); "
-                        "check flex on a GPU")
+    if device.type == "cpu" and not getattr(kernels.KERNELS[backend], "cpu_backward", True):
+        case.skipped = (f"{backend} has no backward pass on CPU (torch {torch.__version__}); "
+                        f"check {backend} on a GPU")
         return case
     cfg = dataclasses.replace(cfg, attention_backend=backend, drop_rate=0.0,
                               attn_drop_rate=None)
     torch.manual_seed(seed)
-    reference = GPTModel(dataclasses.replace(cfg, attention_backend="explicit")).double().train()
+    reference = init_gpt2_weights(GPTModel(dataclasses.replace(
+        cfg, attention_backend="explicit"))).double().train()  # a run's start: GPT-2's scales
     weights = {k: v.clone() for k, v in reference.state_dict().items()}
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=generator)

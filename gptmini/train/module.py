@@ -24,7 +24,14 @@ from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
-from gptmini.train.optim import apply_changed_settings, check_optimization, configure, warmup_for
+from gptmini.train.optim import (
+    NS_SET,
+    NS_STEPS,
+    apply_changed_settings,
+    check_optimization,
+    configure,
+    warmup_for,
+)
 from gptmini.train.rng import every_rank_states, restore_rank_states
 from gptmini.train.sharding import FSDP2Strategy, is_sharded_run, shard_model
 from gptmini.train.source import load_weights
@@ -105,7 +112,7 @@ class GPTLitModule(L.LightningModule):
         lora_targets: list[str] | None = None,
         # the optimizer and its schedule
         learning_rate: float = 1e-3, optimizer: str = "adamw", muon_learning_rate: float = 2e-3,
-        muon_ns_steps: int = 5, muon_ns_coefficients: str = "jordan",
+        muon_ns_steps: int = NS_STEPS, muon_ns_coefficients: str = NS_SET,
         min_lr_ratio: float = 0.1, warmup_steps: int = 60,
         weight_decay: float = 0.1, beta1: float = 0.9, beta2: float = 0.95,
         # how the model runs

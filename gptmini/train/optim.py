@@ -55,6 +55,8 @@ NS_COEFFICIENTS: dict[str, tuple[float, tuple[tuple[float, float, float], ...]]]
 }
 """Newton-Schulz coefficient sets by name: (norm scale, one (a, b, c) per iteration; the
 last repeats when there are more iterations)."""
+NS_STEPS, NS_SET = 5, "jordan"
+"""Muon's Newton-Schulz defaults, torch.optim.Muon's: 5 iterations of Jordan's quintic."""
 
 
 def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
@@ -66,7 +68,7 @@ def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if device_has_bf16(device) else torch.float32
 
 
-def orthogonalize(updates: torch.Tensor, coefficients: str | tuple = "jordan", steps: int = 5,
+def orthogonalize(updates: torch.Tensor, coefficients: str | tuple = NS_SET, steps: int = NS_STEPS,
                   eps: float = 1e-7) -> torch.Tensor:
     """Newton-Schulz iterations towards U V^T of each matrix's SVD U S V^T, in bf16 (float32
     where the device has no bf16 units: `newton_schulz_dtype`).
@@ -218,7 +220,7 @@ def _stacked_orthogonalize(updates: list[torch.Tensor], coefficients, steps: int
 
 
 def sharded_orthogonalize(params: list[torch.Tensor], updates: list[torch.Tensor],
-                          coefficients: str | tuple = "jordan", steps: int = 5,
+                          coefficients: str | tuple = NS_SET, steps: int = NS_STEPS,
                           eps: float = 1e-7) -> list[torch.Tensor]:
     """`orthogonalize` of whole matrices that FSDP2 shards by rows, each done once.
 
@@ -309,8 +311,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, adamw_groups: list[dict], muon_params: list[nn.Parameter], *,
                  learning_rate: float, muon_learning_rate: float, weight_decay: float,
-                 betas: tuple[float, float], fused: bool, ns_steps: int = 5,
-                 ns_coefficients: str = "jordan", batched: bool = True):
+                 betas: tuple[float, float], fused: bool, ns_steps: int = NS_STEPS,
+                 ns_coefficients: str = NS_SET, batched: bool = True):
         self.adamw = torch.optim.AdamW(adamw_groups, lr=learning_rate, betas=betas,
                                        fused=fused)
         if batched:
@@ -361,7 +363,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def muon_adamw(model: nn.Module, *, learning_rate: float, muon_learning_rate: float,
                weight_decay: float, betas: tuple[float, float], device: torch.device,
-               ns_steps: int = 5, ns_coefficients: str = "jordan",
+               ns_steps: int = NS_STEPS, ns_coefficients: str = NS_SET,
                batched: bool = True) -> MuonAdamW:
     """Muon for the 2-D weights inside `model.trf_blocks` (attention and MLP projections);
     AdamW for the embeddings and head (decayed) and the biases and norm gains (not).
@@ -441,8 +443,8 @@ def check_optimizer(name: str) -> None:
 
 def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
                    muon_learning_rate: float, weight_decay: float, betas: tuple[float, float],
-                   device: torch.device, muon_ns_steps: int = 5,
-                   muon_ns_coefficients: str = "jordan") -> torch.optim.Optimizer:
+                   device: torch.device, muon_ns_steps: int = NS_STEPS,
+                   muon_ns_coefficients: str = NS_SET) -> torch.optim.Optimizer:
     """`adamw` over all of `model`, or `muon_adamw` (`name` one of OPTIMIZERS, with
     `muon_ns_steps` and `muon_ns_coefficients`). `model`'s parameters may be FSDP2 shards
     (DTensors): Muon then orthogonalizes whole matrices (`sharded_orthogonalize`)."""
@@ -466,9 +468,9 @@ def configure(model: nn.Module, settings, *, name: str, device: torch.device,
                                muon_learning_rate=settings.muon_learning_rate,
                                weight_decay=settings.weight_decay,
                                betas=(settings.beta1, settings.beta2), device=device,
-                               muon_ns_steps=settings.get("muon_ns_steps", 5),
+                               muon_ns_steps=settings.get("muon_ns_steps", NS_STEPS),
                                muon_ns_coefficients=settings.get("muon_ns_coefficients",
-                                                                 "jordan"))
+                                                                 NS_SET))
     warmup = warmup_for(settings.warmup_steps, total_steps)
     if warmup < settings.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
         say(f"--model.warmup_steps {settings.warmup_steps} is more than half of this run's "
@@ -506,6 +508,11 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, min_ratio))
 
 
+def is_muon_group(group: dict) -> bool:
+    """A saved parameter group of Muon's: it carries the Newton-Schulz settings."""
+    return "ns_steps" in group
+
+
 def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, total_steps: int,
                            announce: bool) -> list[str]:
     """Make a checkpoint being resumed carry this run's optimization settings.
@@ -532,15 +539,15 @@ def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, tota
         factor = lr_factor(schedule.get("last_epoch", 0), warmup_steps, total_steps,
                            hp.min_lr_ratio)
         groups = optimizer.get("param_groups", [])
-        # Muon's groups have ns_steps; AdamW's first group is the decayed one.
-        bases = [hp.muon_learning_rate if "ns_steps" in g else hp.learning_rate for g in groups]
+        muon = [is_muon_group(g) for g in groups]  # AdamW's first group is the decayed one
+        bases = [hp.muon_learning_rate if m else hp.learning_rate for m in muon]
         for i, (group, base) in enumerate(zip(groups, bases, strict=True)):
             group.update(lr=base * factor, initial_lr=base)
-            if "ns_steps" in group or i == 0:
+            if muon[i] or i == 0:
                 group["weight_decay"] = hp.weight_decay
-            if "ns_steps" in group:  # the Newton-Schulz settings live in Muon's groups
-                group.update(ns_steps=hp.get("muon_ns_steps", 5),
-                             ns_coefficients=hp.get("muon_ns_coefficients", "jordan"))
+            if muon[i]:
+                group.update(ns_steps=hp.get("muon_ns_steps", NS_STEPS),
+                             ns_coefficients=hp.get("muon_ns_coefficients", NS_SET))
             if "betas" in group:
                 group["betas"] = (hp.beta1, hp.beta2)
         schedule["base_lrs"] = bases

@@ -257,3 +257,37 @@ def test_bits_per_byte_is_the_nats_of_text_targets_over_their_bytes():
     trainer.validate(module, dataloaders=loader, verbose=False)
     bpb = float(trainer.callback_metrics["val/bpb"])
     assert bpb == pytest.approx(nats / num_bytes / math.log(2), rel=1e-5)
+
+
+def test_a_training_step_reaches_the_model_through_at_most_three_files():
+    """Issue 53: a reader follows one step from GPTLitModule.training_step through the
+    task's loss to model(...) in at most three files of gptmini (sharding, compiling and
+    Lightning's internals to the side): the gptmini files on the stack when the model's
+    forward is entered."""
+    import sys
+
+    module = GPTLitModule(**TINY)
+    module.log = lambda *args, **kwargs: None  # (Lightning's logging needs a trainer)
+    module.throughput.count = lambda tokens: None
+    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    package = Path(__file__).resolve().parents[2] / "gptmini"
+    seen = []
+
+    def on_call(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "forward" and not seen and \
+                code.co_filename.endswith("gptmini/model/gpt.py"):
+            stack, f = [], frame
+            while f is not None:
+                if f.f_code.co_filename.startswith(str(package)):
+                    stack.append(str(Path(f.f_code.co_filename).relative_to(package.parent)))
+                f = f.f_back
+            seen.append(list(dict.fromkeys(reversed(stack))))
+
+    sys.setprofile(on_call)
+    try:
+        module.training_step(batch, 0)
+    finally:
+        sys.setprofile(None)
+    assert seen == [["gptmini/train/module.py", "gptmini/train/tasks/language.py",
+                     "gptmini/model/gpt.py"]]

@@ -10,7 +10,8 @@ with queries (b, num_heads, num_tokens, head_dim), keys and values
 the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it applies in
 whichever form it wants (`dense()`, or its own made once per pass with `context.once`, as
 flex's BlockMask and the tiled kernel's plan are). A kernel with no
-attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0.
+attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0;
+one with no backward pass on a CPU, with `cpu_backward = False` (the device check skips it).
 A kernel that adds attention sinks (gptmini.attention.sinks) says so with
 `has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
 a module with sinks refuses a kernel without them, by name. Modules call their kernel

@@ -23,6 +23,7 @@ class FlexKernel:
 
     has_dropout = False
     has_sinks = True
+    cpu_backward = False  # torch 2.13's FlexAttention on a CPU runs forward only
 
     def __init__(self):
         self._sdpa = SdpaKernel()
