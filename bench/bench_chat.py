@@ -28,7 +28,7 @@ from gptmini.chat import BOOK
 from gptmini.data import resolve_source
 from gptmini.data.chat import PackedExamples, PaddedExamples, read_records, render_records
 from gptmini.data.vocab import fit_tokenizer
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.runtime import auto_precision
 from gptmini.tokenizer import load_tokenizer
 
@@ -80,8 +80,8 @@ def main() -> None:
     for context in args.contexts:
         examples, dropped = render_records(records, tokenizer, BOOK, context, "drop")
         torch.manual_seed(0)
-        model = GPTModel(GPTConfig(vocab_size=tokenizer.n_vocab, context_length=context,
-                                   **DEFAULT_MODEL))
+        model = init_gpt2_weights(GPTModel(GPTConfig(
+            vocab_size=tokenizer.n_vocab, context_length=context, **DEFAULT_MODEL)))
         ways = {"packed": PackedExamples(examples, context, tokenizer.eot_token),
                 "padded": PaddedExamples(examples, tokenizer.eot_token)}
         loaders = {name: DataLoader(data, batch_size=8, shuffle=True, collate_fn=data.collate,

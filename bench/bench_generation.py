@@ -23,7 +23,7 @@ import torch
 from machine import cpu_name  # bench/machine.py (the script's own folder)
 
 from gptmini.generate.loop import generate
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.model.flops import num_parameters
 
 CONFIGS = {
@@ -67,7 +67,7 @@ def past_the_context(new_tokens: int) -> None:
         cfg = GPTConfig.from_preset("cpu-small", drop_rate=0.0, position="rope",
                                     vocab_size=4096, context_length=context)
         torch.manual_seed(0)
-        model = GPTModel(cfg).eval()
+        model = init_gpt2_weights(GPTModel(cfg)).eval()
         idx = torch.randint(0, cfg.vocab_size, (1, context))
         rates = {}
         for slide in ("recompute", "roll"):
@@ -104,7 +104,7 @@ def main():
     results = {}
     for name, cfg in CONFIGS.items():
         torch.manual_seed(0)
-        model = GPTModel(cfg).eval()
+        model = init_gpt2_weights(GPTModel(cfg)).eval()
         params = num_parameters(model)
         ceiling = bandwidth / (params * 4)
         print(f"{name}: {params / 1e6:.1f}M parameters, {params * 4 / 1e6:.0f} MB fp32; "

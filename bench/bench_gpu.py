@@ -21,7 +21,7 @@ from machine import cpu_name  # bench/machine.py (the script's own folder)
 from torch.utils.data import DataLoader, Dataset
 
 from gptmini.generate.loop import generate
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.model.flops import flops_per_token, num_parameters
 from gptmini.runtime import peak_flops_of
 from gptmini.train.module import GPTLitModule
@@ -62,7 +62,7 @@ def loader(shape: dict, batch: int, steps: int, device: torch.device) -> DataLoa
 def plain_loop(shape: dict, batch: int, steps: int, warmup: int, device, compile: bool):
     """Tokens/s and peak bytes of a plain loop: bf16 autocast, fused AdamW, clipping."""
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**shape)).to(device).train()
+    model = init_gpt2_weights(GPTModel(GPTConfig(**shape))).to(device).train()
     if compile:
         model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -151,7 +151,7 @@ def decode(shape: dict, batch: int, new_tokens: int, device, compile: bool) -> f
     """New tokens/s of greedy generation with the KV cache (a prompt of half the context,
     at most 128 tokens)."""
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**shape)).to(device, torch.bfloat16).eval()
+    model = init_gpt2_weights(GPTModel(GPTConfig(**shape))).to(device, torch.bfloat16).eval()
     if compile:
         model = torch.compile(model, dynamic=True)
     prompt = torch.randint(0, shape["vocab_size"], (batch, min(128, shape["context_length"] // 2)),

@@ -33,7 +33,7 @@ from local_server import start_server
 from machine import cpu_description
 
 from gptmini.generate.engine import Engine
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.tokenizer import ASSETS, get_tokenizer, save_tokenizer, train_bpe
 
 TOKENS = 256
@@ -49,7 +49,7 @@ def serve(port: int, tokenizer_path: str) -> None:
 
     tokenizer = get_tokenizer(tokenizer_path)
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(vocab_size=tokenizer.n_vocab, **SHAPE)).eval()
+    model = init_gpt2_weights(GPTModel(GPTConfig(vocab_size=tokenizer.n_vocab, **SHAPE))).eval()
     app = create_app(Engine(model, tokenizer, max_batch=4), "bench")
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error")
 

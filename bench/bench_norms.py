@@ -31,7 +31,7 @@ from machine import cpu_description  # noqa: E402  (bench/machine.py, this folde
 from torch import nn  # noqa: E402
 
 from gptmini.attention.norm import RMSNorm  # noqa: E402
-from gptmini.model import GPTConfig, GPTModel  # noqa: E402
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights  # noqa: E402
 from gptmini.runtime import auto_precision  # noqa: E402
 
 NORMS = {
@@ -72,7 +72,7 @@ def norm_call(make, shape: tuple[int, ...], bf16: bool):
 def model_step(norm: str, inputs: torch.Tensor, bf16: bool):
     """A forward and backward of the default run's model with this norm everywhere."""
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(vocab_size=4096, **DEFAULT_MODEL)).train()
+    model = init_gpt2_weights(GPTModel(GPTConfig(vocab_size=4096, **DEFAULT_MODEL))).train()
     if norm != "gptmini RMSNorm":  # the model's own
         for name, module in list(model.named_modules()):
             if isinstance(module, RMSNorm):

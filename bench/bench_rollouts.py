@@ -22,7 +22,7 @@ from machine import cpu_description  # bench/machine.py (the script's own folder
 from gptmini.generate.loop import generate
 from gptmini.generate.rollouts import rollout
 from gptmini.generate.sampling import SamplingParams
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 
 DEFAULT_SHAPE = dict(vocab_size=4096, context_length=128, emb_dim=256, n_heads=4, n_layers=4,
                      n_kv_heads=1, attention_backend="explicit", drop_rate=0.0, tie_weights=True,
@@ -64,7 +64,7 @@ def main():
         model = load_checkpoint(args.checkpoint).model.eval()
     else:
         torch.manual_seed(0)
-        model = GPTModel(GPTConfig(**DEFAULT_SHAPE)).eval()
+        model = init_gpt2_weights(GPTModel(GPTConfig(**DEFAULT_SHAPE))).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.cfg.vocab_size, (args.prompts, args.prompt_tokens),
                             generator=gen).tolist()

@@ -32,13 +32,13 @@ from local_server import start_server  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 from gptmini.generate.engine import Engine  # noqa: E402
-from gptmini.model import GPTModel  # noqa: E402
+from gptmini.model import GPTModel, init_gpt2_weights  # noqa: E402
 from gptmini.tokenizer import get_tokenizer  # noqa: E402
 
 
 def build(max_batch: int) -> Engine:
     torch.manual_seed(0)
-    model = GPTModel(SHAPES["small"][0]).eval()
+    model = init_gpt2_weights(GPTModel(SHAPES["small"][0])).eval()
     return Engine(model, get_tokenizer("gpt2"), max_batch=max_batch)
 
 

@@ -30,7 +30,7 @@ from machine import cpu_description
 
 from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate, left_pad
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 
 SHAPES = {
     "small": (GPTConfig.from_preset("cpu-small", drop_rate=0.0), (8, 64), (8, 64)),
@@ -98,7 +98,7 @@ def engine_run(model, requests, max_batch, block_size) -> dict:
 
 def long_prompt_among_decodes(budgets=(528, 256, 128)) -> None:
     cfg = GPTConfig.from_preset("cpu-small", drop_rate=0.0, context_length=1024)
-    model, rng = GPTModel(cfg).eval(), random.Random(1)
+    model, rng = init_gpt2_weights(GPTModel(cfg)).eval(), random.Random(1)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(512)]
     print("a 512-token prompt arriving while 16 requests decode (small shape, context 1024):")
     for budget in budgets:
@@ -142,7 +142,7 @@ def main():
     torch.manual_seed(0)
     for name in args.shapes:
         cfg, prompts, outputs = SHAPES[name]
-        model = GPTModel(cfg).eval()
+        model = init_gpt2_weights(GPTModel(cfg)).eval()
         requests = workload(cfg, prompts, outputs, args.requests)
         generate(model, torch.tensor([requests[0][0]]), 2, use_cache=True)  # warm-up
         engine = engine_run(model, requests, args.max_batch, args.block_size)

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import Callback
 from machine import cpu_description  # bench/machine.py (the script's own folder)
 
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import cpu_has_bf16, measure_matmul_flops
 from gptmini.train.command import build_cli, fit, keep_freed_memory
@@ -114,7 +114,7 @@ def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precisio
     torch.manual_seed(1234)
     cfg = GPTConfig(vocab_size=vocab_size, drop_rate=0.0, context_length=context,
                     **SHAPE, **{"tie_weights": True, **fields})
-    model = GPTModel(cfg).train()
+    model = init_gpt2_weights(GPTModel(cfg)).train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},

@@ -57,7 +57,7 @@ from bench_gpu import (
 from gptmini.analysis.evaluate import score_text
 from gptmini.checkpoint import consolidate, read_checkpoint
 from gptmini.generate.engine import Engine
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.model.flops import flops_per_token
 from gptmini.testing.device import check_device
 from gptmini.train.command import build_cli, fit
@@ -286,7 +286,7 @@ def engine(proof: Proof) -> dict:
     cfg = GPTConfig(**proof.shape)
     dtype = torch.bfloat16 if proof.device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = GPTModel(cfg).to(proof.device, dtype).eval()
+    model = init_gpt2_weights(GPTModel(cfg)).to(proof.device, dtype).eval()
     prefix_len, own_len, new = (16, 4, 4) if proof.tiny else (512, 64, 128)
     rng = random.Random(0)
 

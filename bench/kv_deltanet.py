@@ -22,7 +22,7 @@ import torch
 from machine import cpu_description
 
 from gptmini.attention import KVCache
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 from gptmini.variants.deltanet import DeltaNetState
 
 SHAPES = {
@@ -55,7 +55,7 @@ def measure(shape: dict, overrides: dict) -> int:
     # A small vocabulary: the caches do not depend on it, and the model builds faster.
     cfg = GPTConfig(vocab_size=256, drop_rate=0.0, position="rope", **shape, **overrides)
     torch.manual_seed(0)
-    model = GPTModel(cfg).eval()
+    model = init_gpt2_weights(GPTModel(cfg)).eval()
     caches = model.new_kv_caches()
     model(torch.randint(0, 256, (1, cfg.context_length)), kv_caches=caches, logits_to_keep=1)
     return sum(cache_bytes(c) for c in caches)

@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
 
 SHAPES = {
     "default": {},
@@ -41,7 +41,7 @@ def variants(shape: dict) -> dict[str, dict]:
 def cache_bytes_per_token(cfg: GPTConfig, dtype: torch.dtype) -> float:
     """Bytes all layers' caches hold per token after a prompt of PROMPT tokens."""
     small = GPTConfig(**{**cfg.to_dict(), "vocab_size": 64, "tie_weights": False})
-    model = GPTModel(small).to(dtype).eval()
+    model = init_gpt2_weights(GPTModel(small)).to(dtype).eval()
     caches = model.new_kv_caches()
     with torch.no_grad():
         model(torch.zeros(1, PROMPT, dtype=torch.long), kv_caches=caches)

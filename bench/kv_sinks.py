@@ -24,7 +24,7 @@ sleep_when_idle()  # before torch loads OpenMP: a shared CPU keeps its fair shar
 import torch  # noqa: E402
 from machine import cpu_description  # noqa: E402  (bench/machine.py, this folder's)
 
-from gptmini.model import GPTConfig, GPTModel  # noqa: E402
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights  # noqa: E402
 
 DEFAULT = {"vocab_size": 4096, "context_length": 128, "emb_dim": 256, "n_heads": 4,
            "n_layers": 4, "drop_rate": 0.0, "tie_weights": True, "position": "rope",
@@ -51,7 +51,7 @@ def _config(shape: dict, options: dict) -> GPTConfig:
 @torch.no_grad()
 def kv_bytes_per_token(cfg: GPTConfig, prompt: int = 16) -> tuple[float, int]:
     """(KV-cache bytes per token, all layers, float32; parameters) measured on a prefill."""
-    model = GPTModel(cfg).eval()
+    model = init_gpt2_weights(GPTModel(cfg)).eval()
     caches = model.new_kv_caches()
     model(torch.zeros(1, prompt, dtype=torch.long), kv_caches=caches)
     held = sum(c.keys.nbytes + c.values.nbytes for c in caches)

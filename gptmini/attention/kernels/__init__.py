@@ -1,22 +1,13 @@
 """Attention kernels: the built-in ones as a fixed table, and your own by class.
 
 A kernel is built once, when `MultiHeadAttention` is constructed with `backend=...`, and
-then called as
-
-    kernel(queries, keys, values, context, dropout_p) -> (b, num_heads, num_tokens, head_dim)
-
-with queries (b, num_heads, num_tokens, head_dim), keys and values
-(b, num_kv_heads, num_keys, head_dim) (grouped-query attention: fewer key/value heads) and
-the forward pass's `AttentionContext` (gptmini.attention.context), whose mask it applies in
-whichever form it wants (`dense()`, or its own made once per pass with `context.once`, as
-flex's BlockMask and the tiled kernel's plan are). A kernel with no
-attention dropout says so with `has_dropout = False`, and is never handed a dropout above 0;
-one with no backward pass on a CPU, with `cpu_backward = False` (the device check skips it).
-A kernel that adds attention sinks (gptmini.attention.sinks) says so with
-`has_sinks = True`, and only then is called with the keyword `sinks=` (num_heads,) as well;
-a module with sinks refuses a kernel without them, by name. Modules call their kernel
-through `attend` below, which also lays an engine step's packed sequences out one per row
-and takes the explicit path where the attention weights are asked for.
+called as the core's are (gptmini.core.kernels: its signature, shapes and `has_dropout`).
+One with no backward pass on a CPU says so with `cpu_backward = False` (the device check
+skips it); one that adds attention sinks (gptmini.attention.sinks) with `has_sinks = True`,
+and only then is called with the keyword `sinks=` (num_heads,) as well; a module with
+sinks refuses a kernel without them, by name. Modules call their kernel through `attend`
+below, which also lays an engine step's packed sequences out one per row and takes the
+explicit path where the attention weights are asked for.
 
 A backend is named three ways, and which one a name means never depends on what was
 imported before:
