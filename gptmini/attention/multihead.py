@@ -57,7 +57,6 @@ class MultiHeadAttention(core.MultiHeadAttention):
     `settings`, an `AttentionSettings`.
     """
 
-
     # The book's six parameters, then one keyword per option above, each one a reader may
     # type (the README's, the conformance kit's specs); rope_theta and alibi stay as the
     # short spelling of two position schemes for a module used alone.
