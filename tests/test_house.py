@@ -117,11 +117,11 @@ READING_PATHS = {  # the book's two imports, as a reader types them
     "attention": "from gptmini.attention import MultiHeadAttention",
     "model": "from gptmini.model import GPTModel",
 }
-CEILINGS = {"attention": 2_000, "model": 3_080}
+CEILINGS = {"attention": 1_960, "model": 3_040}
 """The most lines each import may load. Issue 53 moved the book's path into gptmini/core/
-(`tests/core/test_core.py` counts `import gptmini.core`: 8 modules, about 1,100 lines) and
+(`tests/core/test_core.py` counts `import gptmini.core`: 8 modules, about 1,060 lines) and
 made these two packages the layers around it, which subclass the core's module, context,
-kernels and model; so each import loads the core and its layer, 1,980 and 3,046 lines
+kernels and model; so each import loads the core and its layer, 1,958 and 3,038 lines
 where the packages alone loaded 1,586 and 2,728. Issue 53's goals for them, 700 and 1,200,
 come when they hand out the core's classes themselves and load their tables on use. Lower
 them when they shrink."""

@@ -111,6 +111,14 @@ class AttentionContext(core.AttentionContext):
 
         return self.once(("float_mask", num_heads, dtype), build)
 
+    def empty_rows(self) -> Tensor | None:
+        """The core's, without making the dense mask where no kernel asked for it (flex's
+        and the tiled kernel's masks are their own): evaluated a chunk of queries at a time."""
+        if not self.padded:
+            return None
+        return self.once("empty_rows", lambda: ~masks.rows_with_keys(
+            self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
+
 
 def layer_context(settings: AttentionSettings, context_length: int, x: Tensor,
                   num_cached: int, *, context: AttentionContext | None, uses_cache: bool,

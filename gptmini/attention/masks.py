@@ -29,7 +29,6 @@ from gptmini.core.masks import (
     document,
     index_grids,
     padding,
-    rows_with_keys,
     sliding_window,
 )
 
@@ -112,3 +111,15 @@ def score_bias(mod: ScoreMod, batch: int, num_heads: int, num_tokens: int, num_k
     bias = mod(zeros, *index_grids(batch, num_heads, num_keys - num_tokens, num_tokens, 0,
                               num_keys, device))
     return bias.expand(batch, num_heads, num_tokens, num_keys)
+
+
+def rows_with_keys(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None,
+                   chunk: int = 256) -> Tensor:
+    """(batch, num_tokens): whether each query may attend any key at all (left padding may
+    leave a query none), evaluated `chunk` queries at a time."""
+    found = []
+    for start in range(0, num_tokens, chunk):
+        rows = min(chunk, num_tokens - start)
+        grids = index_grids(batch, 1, num_keys - num_tokens + start, rows, 0, num_keys, device)
+        found.append(mask(*grids).expand(batch, 1, rows, num_keys).any(dim=-1)[:, 0])
+    return torch.cat(found, dim=1)

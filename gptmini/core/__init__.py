@@ -18,9 +18,8 @@ from gptmini.core.model import (
     GPTConfig,
     GPTModel,
     TransformerBlock,
-    init_gpt2_weights,
 )
 
 __all__ = ["GPT_CONFIG_124M", "AttentionContext", "AttentionSettings", "BaseKVCache",
            "ConfigError", "GPTConfig", "GPTModel", "KVCache", "MultiHeadAttention",
-           "TransformerBlock", "init_gpt2_weights"]
+           "TransformerBlock"]

@@ -152,8 +152,8 @@ class AttentionContext:
         """(b, num_tokens): True at queries the mask lets see no key (only padding can)."""
         if not self.padded:
             return None
-        return self.once("empty_rows", lambda: ~masks.rows_with_keys(
-            self.mask, self.batch, self.num_tokens, self.num_keys, self.device))
+        self.dense()  # which finds them as it is made
+        return self._forms["empty_rows"]
 
 
 class BaseKVCache(ABC):

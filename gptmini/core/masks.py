@@ -14,7 +14,7 @@ from torch import Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 __all__ = ["MaskMod", "and_masks", "causal", "dense", "document", "index_grids", "padding",
-           "rows_with_keys", "sliding_window"]
+           "sliding_window"]
 
 
 def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -77,15 +77,3 @@ def dense(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None
     """The mask as a tensor, (batch, 1, num_tokens, num_keys) (heads broadcast)."""
     grids = index_grids(batch, 1, num_keys - num_tokens, num_tokens, 0, num_keys, device)
     return mask(*grids).expand(batch, 1, num_tokens, num_keys)
-
-
-def rows_with_keys(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, device=None,
-                   chunk: int = 256) -> Tensor:
-    """(batch, num_tokens): whether each query may attend any key at all (left padding may
-    leave a query none), evaluated `chunk` queries at a time."""
-    found = []
-    for start in range(0, num_tokens, chunk):
-        rows = min(chunk, num_tokens - start)
-        grids = index_grids(batch, 1, num_keys - num_tokens + start, rows, 0, num_keys, device)
-        found.append(mask(*grids).expand(batch, 1, rows, num_keys).any(dim=-1)[:, 0])
-    return torch.cat(found, dim=1)

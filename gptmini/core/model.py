@@ -4,13 +4,11 @@ each inside a residual), a final norm and a linear head; `GPTConfig` swaps in Qw
 blocks (rotary positions, RMSNorm, SwiGLU, QK-norm, grouped-query heads, no biases).
 Built in the book's order with PyTorch's default initialisation, so
 `torch.manual_seed(123); GPTModel(GPT_CONFIG_124M)` is the book's model; a training run
-starts from GPT-2's initialisation instead (`init_gpt2_weights`), chosen where it is set up.
+starts from GPT-2's initialisation instead (gptmini.model.init_gpt2_weights).
 """
 
-import math
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import Tensor, nn
 
 from gptmini.core.attention import (
@@ -25,8 +23,7 @@ from gptmini.core.kernels import KERNELS
 from gptmini.core.layers import ArgumentError, FeedForward, SwiGLU
 from gptmini.core.positions import LearnedPositions, NoPositions, RotaryPositions
 
-__all__ = ["GPT_CONFIG_124M", "ConfigError", "GPTConfig", "GPTModel", "TransformerBlock",
-           "init_gpt2_weights"]
+__all__ = ["GPT_CONFIG_124M", "ConfigError", "GPTConfig", "GPTModel", "TransformerBlock"]
 
 # The book's configuration dictionary, field for field.
 GPT_CONFIG_124M = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12,
@@ -261,27 +258,3 @@ def _rename_book_norms(module, state_dict, prefix, *args):
         for book, ours in ((".scale", ".weight"), (".shift", ".bias")):
             if key.endswith(book):
                 state_dict[key.removesuffix(book) + ours] = state_dict.pop(key)
-
-
-@torch.no_grad()
-def init_gpt2_weights(model: GPTModel) -> GPTModel:
-    """GPT-2's initialisation, in place, for a run to start from: every linear and embedding
-    weight from N(0, 0.02), biases 0, then `model.residual_weights()` from
-    N(0, 0.02 / sqrt(2 * n_layers)), so the residual stream's variance does not grow with
-    depth. Modules are visited children first (`nn.Module.apply`), and a tied weight is
-    drawn for each module that holds it but keeps its first draw. Returns the model."""
-    drawn = set()
-
-    def draw(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            weight = module.weight if module.weight not in drawn else torch.empty_like(
-                module.weight)  # (the same numbers drawn as for an untied head)
-            nn.init.normal_(weight, mean=0.0, std=0.02)
-            drawn.add(module.weight)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    model.apply(draw)
-    for weight in model.residual_weights():
-        nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * model.cfg.n_layers))
-    return model

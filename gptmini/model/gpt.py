@@ -7,6 +7,8 @@ feed-forward (gptmini.model.feedforward) makes the MLP. Imports only torch, so t
 can be lifted into any loop.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 from gptmini.attention import AttentionContext, AttentionSettings, BaseKVCache
 from gptmini.attention.positions import PositionScheme
 from gptmini.core import model as core
-from gptmini.core.model import init_gpt2_weights
 from gptmini.model.config import GPTConfig
 from gptmini.model.feedforward import FeedForwardKind
 from gptmini.model.mixers import TokenMixer
@@ -294,3 +295,27 @@ def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> T
         reduction=reduction,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
+
+
+@torch.no_grad()
+def init_gpt2_weights(model: core.GPTModel) -> core.GPTModel:
+    """GPT-2's initialisation, in place, for a run to start from: every linear and embedding
+    weight from N(0, 0.02), biases 0, then `model.residual_weights()` from
+    N(0, 0.02 / sqrt(2 * n_layers)), so the residual stream's variance does not grow with
+    depth. Modules are visited children first (`nn.Module.apply`), and a tied weight is
+    drawn for each module that holds it but keeps its first draw. Returns the model."""
+    drawn = set()
+
+    def draw(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            weight = module.weight if module.weight not in drawn else torch.empty_like(
+                module.weight)  # (the same numbers drawn as for an untied head)
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+            drawn.add(module.weight)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    model.apply(draw)
+    for weight in model.residual_weights():
+        nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * model.cfg.n_layers))
+    return model

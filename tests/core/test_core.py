@@ -21,11 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, context_length=32, emb_dim=16, n_heads=2, n_layers=2, drop_rate=0.0)
 
 
-CORE_CEILING = 1_100
+CORE_CEILING = 1_060
 """The most lines `import gptmini.core` may load. Issue 53's goal is 1,000; the core stands
-about 95 above it with the hooks the layers around it subclass (AttentionContext.build's
-extra arguments, GPTModel's make_blocks/embed/logits/residual_weights). Lower it as it
-shrinks."""
+59 above it with the hooks the layers around it subclass (AttentionContext.build's extra
+arguments, GPTModel's make_blocks/embed/logits/residual_weights/new_context). Lower it as
+it shrinks."""
 
 
 def test_import_core_loads_at_most_8_modules_and_its_lines_and_nothing_but_torch():
@@ -139,12 +139,13 @@ def test_the_explicit_path_equals_sdpa_in_the_core():
 
 
 def test_gpt2_initialisation_is_chosen_where_a_run_is_set_up():
-    """The constructor keeps PyTorch's defaults (the book's); init_gpt2_weights draws GPT-2's:
-    N(0, 0.02), the residual projections 0.02 / sqrt(2 * n_layers), biases zero."""
+    """The core's constructor keeps PyTorch's defaults (the book's); gptmini.model's
+    init_gpt2_weights draws GPT-2's on it from outside: N(0, 0.02), the residual
+    projections (the core's residual_weights) 0.02 / sqrt(2 * n_layers), biases zero."""
     cfg = core.GPTConfig(**{**TINY, "emb_dim": 256, "n_layers": 8, "n_heads": 4})
     model = core.GPTModel(cfg)
     assert model.tok_emb.weight.std() > 0.5  # nn.Embedding's N(0, 1)
-    core.init_gpt2_weights(model)
+    full.init_gpt2_weights(model)
     assert abs(model.tok_emb.weight.std() - 0.02) < 0.002
     assert abs(model.trf_blocks[0].att.out_proj.weight.std() - 0.02 / 4) < 0.0005
     assert abs(model.trf_blocks[0].att.W_query.weight.std() - 0.02) < 0.002
