@@ -330,12 +330,12 @@ class GPTConfig(core.GPTConfig):
 
     def make_norm(self) -> nn.Module:
         """A new norm over emb_dim: an RMS norm (gptmini.attention.norm's, faster on a CPU
-        than torch's), or LayerNorm (the book's)."""
+        than torch's), or the core's LayerNorm (the book's)."""
         from gptmini.attention.norm import RMS_NORMS
 
         if self.norm in RMS_NORMS:
             return RMS_NORMS[self.norm](self.emb_dim, eps=self.norm_eps)
-        return nn.LayerNorm(self.emb_dim, eps=self.norm_eps, bias=self.bias)
+        return super().make_norm()
 
     def mixers(self) -> list[TokenMixer]:
         """Each layer's token mixer (gptmini.model.mixers), one object per kind, built here
