@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from gptmini.convert.llama import LAYER_TYPES, QK_NORM_EPS
+from gptmini.convert.llama import QK_NORM_EPS
 from gptmini.convert.rope import read_rope_entry, rope_entries
 from gptmini.convert.weights import (
     Layout,
@@ -38,6 +38,7 @@ from gptmini.convert.weights import (
     config_number,
     model_from_weights,
     quantization_problem,
+    windows_of_types,
 )
 from gptmini.model import GPTConfig, GPTModel
 
@@ -151,18 +152,7 @@ def _layer_windows(c: Mapping, n_layers: int, problems: list[str]) -> list[int |
             return None
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                  for i in range(n_layers)]
-    if (not isinstance(types, list) or len(types) != n_layers
-            or any(t not in LAYER_TYPES for t in types)):
-        problems.append(f"layer_types={types!r} (gptmini reads a list of num_hidden_layers="
-                        f"{n_layers} entries, each one of {', '.join(LAYER_TYPES)})")
-        return None
-    if not any(LAYER_TYPES[t] for t in types):
-        return None
-    if c.get("sliding_window") is None:
-        problems.append("sliding_window=None beside sliding_attention layers")
-        return None
-    window = config_integer(c, "sliding_window", "Gemma 3")
-    return [window if LAYER_TYPES[t] else None for t in types]
+    return windows_of_types(c, types, n_layers, "Gemma 3", problems)
 
 
 def _rope(c: Mapping, problems: list[str]) -> tuple[float, dict | None, float]:

@@ -16,6 +16,7 @@ from torch import Tensor
 from gptmini.convert.deepseek import LAYOUTS as DEEPSEEK_LAYOUTS
 from gptmini.convert.gemma import LAYOUTS as GEMMA_LAYOUTS
 from gptmini.convert.gpt2 import LAYOUTS as GPT2_LAYOUTS
+from gptmini.convert.gptoss import LAYOUTS as GPT_OSS_LAYOUTS
 from gptmini.convert.llama import LAYOUTS as LLAMA_LAYOUTS
 from gptmini.convert.llama import is_llama_architecture
 from gptmini.convert.staging import staged_directory
@@ -28,10 +29,11 @@ __all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "re
            "write_tokenizer_files"]
 
 
-LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS}
+LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS,
+           **GPT_OSS_LAYOUTS}
 """The `model_type`s gptmini reads and writes, each a `Layout` its module lists (GPT-2's;
 Llama's and Qwen3's, Llama's layout with QK-norm; DeepSeek-V3's, multi-head latent
-attention, every layer dense; Gemma 3's text model)."""
+attention, every layer dense; Gemma 3's text model; gpt-oss's)."""
 
 
 def export_layout(model: GPTModel) -> str:
@@ -52,8 +54,8 @@ def export_layout(model: GPTModel) -> str:
 
 
 def load_hf(directory: str | Path) -> GPTModel:
-    """A `GPTModel` (eval mode) from a local `save_pretrained` GPT-2, Llama, Qwen3, dense
-    DeepSeek-V3 or Gemma 3 (text) directory.
+    """A `GPTModel` (eval mode) from a local `save_pretrained` directory of a layout in
+    `LAYOUTS` (GPT-2, Llama, Qwen3(-MoE), DeepSeek-V3, Gemma 3's text model, gpt-oss).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -72,8 +74,8 @@ def load_hf(directory: str | Path) -> GPTModel:
 
 
 def directory_config(directory: str | Path) -> GPTConfig:
-    """The `GPTConfig` a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3 directory's
-    config.json describes, without reading its weights.
+    """The `GPTConfig` a Hugging Face directory's config.json describes (a layout in
+    `LAYOUTS`), without reading its weights.
 
     Raises:
         FileNotFoundError: no config.json.

@@ -36,6 +36,7 @@ from gptmini.convert.weights import (
     config_number,
     model_from_weights,
     quantization_problem,
+    windows_of_types,
 )
 from gptmini.model import GPTConfig, GPTModel, is_finite_number
 
@@ -191,10 +192,6 @@ def _moe_fields(c: Mapping, problems: list[str]) -> dict:
         c, "moe_intermediate_size", "Qwen3-MoE", 768)}
 
 
-LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
-"""Qwen3's layer_types entries gptmini reads: whether the layer has the sliding window."""
-
-
 def _layer_windows(c: Mapping, n_layers: int, problems: list[str]) -> list[int | None] | None:
     """GPTConfig.layer_windows of a Qwen3 config: `sliding_window` at its layer_types'
     "sliding_attention" layers (use_sliding_window on; without layer_types, the layers from
@@ -205,19 +202,12 @@ def _layer_windows(c: Mapping, n_layers: int, problems: list[str]) -> list[int |
         problems.append(f"use_sliding_window in a {c.get('model_type')!r} config (gptmini "
                         "reads per-layer windows in Qwen3's layout)")
         return None
-    window = config_integer(c, "sliding_window", "Qwen3")
     types = c.get("layer_types")
     if types is None:
         first = config_integer(c, "max_window_layers", "Qwen3")
         types = ["sliding_attention" if i >= first else "full_attention"
                  for i in range(n_layers)]
-    if (not isinstance(types, list) or len(types) != n_layers
-            or any(t not in LAYER_TYPES for t in types)):
-        problems.append(f"layer_types={types!r} (gptmini reads a list of num_hidden_layers="
-                        f"{n_layers} entries, each one of {', '.join(LAYER_TYPES)})")
-        return None
-    windows = [window if LAYER_TYPES[t] else None for t in types]
-    return windows if any(windows) else None
+    return windows_of_types(c, types, n_layers, "Qwen3", problems)
 
 
 def config_to_llama(cfg: GPTConfig) -> dict:

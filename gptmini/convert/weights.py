@@ -10,8 +10,9 @@ from torch import Tensor
 
 from gptmini.model import ConfigError, GPTConfig, GPTModel
 
-__all__ = ["Layout", "check_finite", "check_float_weights", "checked_config", "config_integer",
-           "config_number", "model_from_weights", "quantization_problem"]
+__all__ = ["LAYER_TYPES", "Layout", "check_finite", "check_float_weights", "checked_config",
+           "config_integer", "config_number", "model_from_weights", "quantization_problem",
+           "windows_of_types"]
 
 
 class Layout(NamedTuple):
@@ -148,3 +149,27 @@ def quantization_problem(quantization: object) -> str:
     method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
     return (f"quantization_config (quant_method={method!r}: quantized weights, whose scales "
             "gptmini does not apply; dequantize and save the float model first)")
+
+
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+"""The layer_types entries gptmini reads (Qwen3's, Gemma 3's, gpt-oss's): whether the layer
+has the config's sliding_window."""
+
+
+def windows_of_types(config: Mapping, types: object, n_layers: int, layout: str,
+                     problems: list[str]) -> list[int | None] | None:
+    """GPTConfig.layer_windows of `types` (a config's layer_types): its sliding_window at
+    the "sliding_attention" layers, None at the others; None where every layer is full.
+    What cannot be read goes into `problems`."""
+    if (not isinstance(types, list) or len(types) != n_layers
+            or any(t not in LAYER_TYPES for t in types)):
+        problems.append(f"layer_types={types!r} (gptmini reads a list of num_hidden_layers="
+                        f"{n_layers} entries, each one of {', '.join(LAYER_TYPES)})")
+        return None
+    if not any(LAYER_TYPES[t] for t in types):
+        return None
+    if config.get("sliding_window") is None:
+        problems.append("sliding_window=None beside sliding_attention layers")
+        return None
+    window = config_integer(config, "sliding_window", layout)
+    return [window if LAYER_TYPES[t] else None for t in types]

@@ -94,8 +94,8 @@ class GPTConfig(core.GPTConfig):
     """The norms' epsilon (GPT-2's 1e-5; Llama checkpoints say theirs, often 1e-6)."""
     mlp: str = "gelu"
     """The feed-forward, a name in gptmini.model.feedforward.MLPS (gelu: the book's 4x GELU;
-    swiglu, relu2, geglu: Gemma's, moe: a mixture of experts), or your own as
-    'package.module:ClassName'."""
+    swiglu, relu2, geglu: Gemma's, moe: a mixture of experts, oss_moe: gpt-oss's), or your
+    own as 'package.module:ClassName'."""
     mlp_hidden_dim: int | None = None
     """The MLP's (each expert's) hidden width; None: the feed-forward's (gelu's 4 * emb_dim)."""
     mlp_options: dict | None = None

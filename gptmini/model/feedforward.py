@@ -7,6 +7,7 @@ conversion ask instead of branching on a name.
     swiglu   gated SiLU, Llama's: down(silu(gate(x)) * up(x))
     geglu    gated GELU, Gemma's (gptmini.variants.geglu, loaded when named)
     moe      a top-k routed mixture of SwiGLU experts, Qwen3-MoE's (gptmini.variants.moe)
+    oss_moe  gpt-oss's: clamped SwiGLU experts, a router with a bias (variants.oss_moe)
 
 A new one is its own file (a `FeedForwardKind` and its module) and one entry in `MLPS`; one
 of your own needs none: name it 'package.module:ClassName' in GPTConfig.mlp, its options in
@@ -118,5 +119,6 @@ MLPS = Table("feed-forward", {
     "relu2": SquaredReluMLP,
     "geglu": "gptmini.variants.geglu:GeGLUMLP",
     "moe": "gptmini.variants.moe:MoE",
+    "oss_moe": "gptmini.variants.oss_moe:OssMoE",
 })
 """Every feed-forward by the name GPTConfig.mlp gives it (read-only)."""

@@ -25,6 +25,7 @@ Names are Hugging Face's Qwen3MoeSparseMoeBlock's as its checkpoints store them 
 fuses the experts into 3-D tensors in memory, which its save_pretrained writes back as these.
 """
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,16 +53,20 @@ class MixtureOfExperts(nn.Module):
         norm_topk_prob: renormalize the k chosen probabilities to sum to 1 (else they are
             the softmax's over all E, as Qwen3-MoE's config says).
         shared_hidden_dim: a shared expert's width, or None for none.
-        bias: biases in the experts' projections (the router has none).
+        bias: biases in the experts' projections.
+        router_bias: a bias in the router (gpt-oss's; Qwen3-MoE's has none).
+        expert: builds an expert as `expert(emb_dim, hidden_dim, bias)` (SwiGLU; gpt-oss's
+            clamped one in gptmini.variants.oss_moe).
     """
 
     def __init__(self, emb_dim: int, hidden_dim: int, experts: int, top_k: int,
                  norm_topk_prob: bool = True, shared_hidden_dim: int | None = None,
-                 bias: bool = False):
+                 bias: bool = False, router_bias: bool = False,
+                 expert: Callable[[int, int, bool], nn.Module] = SwiGLU):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(emb_dim, experts, bias=False)  # the router
-        self.experts = nn.ModuleList(SwiGLU(emb_dim, hidden_dim, bias) for _ in range(experts))
+        self.gate = nn.Linear(emb_dim, experts, bias=router_bias)  # the router
+        self.experts = nn.ModuleList(expert(emb_dim, hidden_dim, bias) for _ in range(experts))
         self.shared_expert = (None if shared_hidden_dim is None
                               else SwiGLU(emb_dim, shared_hidden_dim, bias))
 
@@ -146,23 +151,32 @@ class MoE(FeedForwardKind):
         given = dict(cfg.mlp_options or {})
         fields = {name: given.get(name, cls.__dataclass_fields__[name].default)
                   for name in cls.options}
+        for name, fix in cls.problems(fields):
+            raise ConfigError("mlp_options", cfg.mlp_options,
+                              f"the {cfg.mlp} feed-forward's {name} is {fields[name]!r}: "
+                              f"use {fix}")
+        hidden = cfg.mlp_hidden_dim or -(-SwiGLUMLP.from_config(cfg).hidden_dim
+                                         // fields["top_k"] // 16) * 16
+        return cls(cfg.emb_dim, hidden, bias=cfg.bias, n_layers=cfg.n_layers,
+                   aux_loss_coef=float(fields.pop("aux_loss_coef")), **fields)
+
+    @classmethod
+    def problems(cls, fields: dict) -> Iterator[tuple[str, str]]:
+        """(option, what to use) for each of `fields` (the options read) that is wrong."""
         experts, top_k = fields["experts"], fields["top_k"]
         for name, fine, fix in (
                 ("experts", is_count(experts) and experts >= 2, "a whole number >= 2"),
                 ("top_k", is_count(top_k) and is_count(experts) and top_k <= experts,
                  "a whole number from 1 to experts"),
-                ("norm_topk_prob", isinstance(fields["norm_topk_prob"], bool), "true or false"),
                 ("aux_loss_coef", is_finite_number(fields["aux_loss_coef"])
-                 and fields["aux_loss_coef"] >= 0, "a number >= 0 (0: no balancing loss)"),
-                ("shared_hidden_dim", fields["shared_hidden_dim"] is None
-                 or is_count(fields["shared_hidden_dim"]), "a positive width, or null")):
+                 and fields["aux_loss_coef"] >= 0, "a number >= 0 (0: no balancing loss)")):
             if not fine:
-                raise ConfigError("mlp_options", cfg.mlp_options,
-                                  f"the moe feed-forward's {name} is {fields[name]!r}: use {fix}")
-        hidden = cfg.mlp_hidden_dim or -(-SwiGLUMLP.from_config(cfg).hidden_dim // top_k
-                                         // 16) * 16
-        return cls(cfg.emb_dim, hidden, bias=cfg.bias, n_layers=cfg.n_layers,
-                   aux_loss_coef=float(fields.pop("aux_loss_coef")), **fields)
+                yield name, fix
+        if "norm_topk_prob" in fields and not isinstance(fields["norm_topk_prob"], bool):
+            yield "norm_topk_prob", "true or false"
+        shared = fields.get("shared_hidden_dim")
+        if not (shared is None or is_count(shared)):
+            yield "shared_hidden_dim", "a positive width, or null"
 
     def make_module(self) -> MixtureOfExperts:
         return MixtureOfExperts(self.emb_dim, self.hidden_dim, self.experts, self.top_k,

@@ -140,8 +140,8 @@ def test_auxiliary_losses_compile_in_one_graph(tiny_config):
     ({"mlp_options": {"weight": 0.5}}, "the gelu feed-forward has no option weight; it reads "
                                        "none: leave mlp_options None"),
     ({"mlp": "tests_nowhere.mlp:Missing"}, "GPTConfig.mlp=.*cannot import tests_nowhere.mlp"),
-    ({"mlp": "reglu"}, "use one of gelu, swiglu, relu2, geglu, moe, or a feed-forward of your "
-                       "own"),
+    ({"mlp": "reglu"}, "use one of gelu, swiglu, relu2, geglu, moe, oss_moe, or a "
+                       "feed-forward of your own"),
     ({"layer_kinds": ["attention", "tests_nowhere:Mixer"]},
      "GPTConfig.layer_kinds=.*cannot import tests_nowhere"),
 ])
