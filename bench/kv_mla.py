@@ -32,9 +32,11 @@ def variants(shape: dict) -> dict[str, dict]:
         f"GQA ({gqa} kv heads)": {"n_kv_heads": gqa},
         "MQA (1 kv head)": {"n_kv_heads": 1},
         f"MLA (latent {4 * head_dim}, rope {head_dim // 2})": {
-            "position": "rope", "mla_kv_lora_rank": 4 * head_dim},
+            "position": "rope", "layer_kinds": ["mla"] * cfg.n_layers,
+            "mixer_options": {"mla": {"kv_lora_rank": 4 * head_dim}}},
         f"MLA (latent {2 * head_dim}, rope {head_dim // 2})": {
-            "position": "rope", "mla_kv_lora_rank": 2 * head_dim},
+            "position": "rope", "layer_kinds": ["mla"] * cfg.n_layers,
+            "mixer_options": {"mla": {"kv_lora_rank": 2 * head_dim}}},
     }
 
 

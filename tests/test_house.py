@@ -205,8 +205,7 @@ TABLES = {"MIXERS": MIXERS, "MLPS": MLPS, "KERNELS": KERNELS, "SCHEMES": SCHEMES
 """Every table of parts by its name in the code, read here so that a new entry is known."""
 # ("attention" and "none" are every word's: a field that names a part catches them)
 PART_NAMES = {name for table in TABLES.values() for name in table} - {"attention", "none"}
-PART_FIELDS = {"layer_kinds", "mlp", "mla_kv_lora_rank", "attention_backend", "position",
-               "norm", "attn_gate"}
+PART_FIELDS = {"layer_kinds", "mlp", "attention_backend", "position", "norm", "attn_gate"}
 PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet",
                 "GatedDeltaNetLayer", "DeltaNetState", "TransformerBlock", "FeedForward",
                 "SwiGLU", "MixtureOfExperts"}
@@ -215,7 +214,7 @@ PART_CLASSES = {"MultiHeadAttention", "MultiHeadLatentAttention", "GatedDeltaNet
 def name_branches(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, code) of every comparison against a mixer's or feed-forward's name or the
     fields that name them (`"deltanet" in cfg.layer_kinds`, `cfg.mlp == "swiglu"`,
-    `cfg.mla_kv_lora_rank is not None`, `cfg.layer_kind(i) == ...`, the same through
+    `cfg.layer_kinds is not None`, `cfg.layer_kind(i) == ...`, the same through
     getattr), every table looked up by a name written out (`SCHEMES["rope"]`), and every
     isinstance on their modules' classes."""
     found = []
@@ -262,8 +261,8 @@ def test_the_branch_check_catches_what_it_forbids():
     """Each of issue 44's sites, as they were written, is caught; asking an object is not."""
     caught = ['if cfg.layer_kind(i) == "deltanet": pass',
               'if "deltanet" in (model.cfg.layer_kinds or ()): pass',
-              'if getattr(model.cfg, "mla_kv_lora_rank", None) is not None: pass',
-              'if model.cfg.mla_kv_lora_rank is not None: pass',
+              'if getattr(model.cfg, "layer_kinds", None) is not None: pass',
+              'if "mla" in (model.cfg.layer_kinds or ()): pass',
               'x = 3 if cfg.mlp == "swiglu" else 2',
               'if kind == "deltanet": pass',
               'scheme = SCHEMES["rope"](head_dim=8)',

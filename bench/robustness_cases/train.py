@@ -140,9 +140,10 @@ COMMAND_LINE = {
     "a text file as --ckpt_path": train_case({"n.ckpt": "my notes"}, "--ckpt_path", "n.ckpt"),
     "a truncated --ckpt_path": train_case({"t.ckpt": b"PK\x03\x04" + b"\0" * 500},
                                           "--ckpt_path", "t.ckpt"),
-    "mla_kv_lora_rank 1000 on a 32-wide model": train_case(
-        {}, "--model.mla_kv_lora_rank", "1000", "--model.n_kv_heads", "null",
-        "--model.qk_norm", "false"),
+    "an MLA kv_lora_rank of 1000 on a 32-wide model": train_case(
+        {}, "--model.layer_kinds", "[mla, mla, mla, mla]", "--model.mixer_options",
+        "{mla: {kv_lora_rank: 1000}}", "--model.n_kv_heads", "null", "--model.qk_norm",
+        "false"),
     "a window on a Gated DeltaNet layer": train_case(
         {}, "--model.layer_kinds", "[deltanet, attention]", "--model.window_size", "8"),
     "a full disk under the token cache": full_disk,

@@ -59,6 +59,7 @@ __all__ = [
     "read_checkpoint",
     "tokenizer_entry",
     "training_steps",
+    "upgrade_fields",
     "write_model_entries",
 ]
 
@@ -66,6 +67,27 @@ CONFIG_FIELDS = tuple(f.name for f in fields(GPTConfig))
 MODEL_PREFIX = "model."  # the LightningModule keeps the GPTModel as `self.model`
 BUILT_IN = ("gpt2", "byte")
 """Tokenizer names that are one vocabulary wherever they are read."""
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+"""Multi-head latent attention's options, GPTConfig fields `mla_<name>` until
+mixer_options held them."""
+
+
+def upgrade_fields(saved: dict) -> dict:
+    """GPTConfig fields saved by an older gptmini as today's: `mla_kv_lora_rank` and its
+    four siblings (MLA in every attention layer) become layer_kinds' "mla" and
+    mixer_options["mla"]. Other fields are returned as they are."""
+    old = {name: saved.get(f"mla_{name}") for name in MLA_FIELDS}
+    upgraded = {k: v for k, v in saved.items() if not k.startswith("mla_")}
+    if old["kv_lora_rank"] is None:
+        return upgraded
+    kinds = upgraded.get("layer_kinds") or ["attention"] * upgraded["n_layers"]
+    upgraded["layer_kinds"] = ["mla" if kind == "attention" else kind for kind in kinds]
+    options = {name: value for name, value in old.items() if value is not None}
+    upgraded["mixer_options"] = {**(upgraded.get("mixer_options") or {}), "mla": options}
+    return upgraded
+
+
 # The fields a config cannot do without; the others have defaults.
 _REQUIRED = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")
 
@@ -384,6 +406,7 @@ def model_config(ckpt: dict, n_vocab: int) -> GPTConfig:
             "LightningModule?)"
         )
     try:
+        saved = upgrade_fields(saved)
         cfg = GPTConfig(**{k: saved[k] for k in CONFIG_FIELDS if k in saved})
     except (TypeError, ValueError) as err:
         raise ValueError(f"its hyper_parameters do not make a GPTConfig: {err}") from err

@@ -1,9 +1,10 @@
 """DeepSeek-V3's Hugging Face layout to and from a `GPTModel` of multi-head latent attention.
 
-A GPTConfig with `mla_kv_lora_rank` set, rotary positions, RMSNorm, SwiGLU and no biases is
-a DeepSeek-V3 whose every layer is dense: `first_k_dense_replace = num_hidden_layers`, so
-that no layer has a mixture of experts (gptmini's, gptmini.variants.moe, is Qwen3-MoE's:
-it has none of DeepSeek's shared experts or grouped, biased routing). Its attention
+A GPTConfig with multi-head latent attention in every layer (layer_kinds "mla"), rotary
+positions, RMSNorm, SwiGLU and no biases is a DeepSeek-V3 whose every layer is dense:
+`first_k_dense_replace = num_hidden_layers`, so that no layer has a mixture of experts
+(gptmini's, gptmini.variants.moe, is Qwen3-MoE's: it has none of DeepSeek's shared experts
+or grouped, biased routing). Its attention
 parameters already carry DeepSeek's names (gptmini.variants.latent), so the table below is
 the block's frame (norms, MLP, embeddings) plus `o_proj`, gptmini's `out_proj`.
 
@@ -47,10 +48,10 @@ to it."""
 DEEPSEEK = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
             "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
             "layer_windows": None, "attn_sinks": False, "attn_gate": "none",
-            "layer_kinds": None, "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS,
+            "n_kv_heads": None, "norm_eps": LATENT_NORM_EPS,
             "rope_scaling": None, "rope_local_theta": None, "post_norms": False,
             "scale_embeddings": False, "logit_softcap": None}
-"""The GPTConfig options a dense DeepSeek-V3 has, beside mla_kv_lora_rank."""
+"""The GPTConfig options a dense DeepSeek-V3 has, beside MLA in every layer."""
 
 # (gptmini name, Hugging Face name); {i}: every layer. A dense DeepSeek-V3 is Llama's
 # frame (embedding, norms, output projection, SwiGLU, head) around MLA's projections.
@@ -71,7 +72,8 @@ _QUERY_LATENT = (  # with q_lora_rank: the query through its own latent
 
 
 def _expand(cfg: GPTConfig) -> list[tuple[str, str]]:
-    table = _FRAME + (_FULL_QUERY if cfg.mla_q_lora_rank is None else _QUERY_LATENT)
+    table = _FRAME + (_FULL_QUERY if latent_dims(cfg)["q_lora_rank"] is None
+                      else _QUERY_LATENT)
     return [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in table
             for i in (range(cfg.n_layers) if "{i}" in ours else [0])]
 
@@ -134,10 +136,8 @@ def config_from_deepseek(hf_config: Mapping) -> GPTConfig:
         vocab_size=sizes["vocab_size"], context_length=sizes["max_position_embeddings"],
         emb_dim=sizes["hidden_size"], n_heads=heads, n_layers=layers, drop_rate=0.0,
         tie_weights=bool(c.get("tie_word_embeddings", False)), rope_theta=theta,
-        mlp_hidden_dim=sizes["intermediate_size"], mla_kv_lora_rank=latent["kv_lora_rank"],
-        mla_q_lora_rank=q_rank, mla_qk_nope_head_dim=latent["qk_nope_head_dim"],
-        mla_qk_rope_head_dim=latent["qk_rope_head_dim"], mla_v_head_dim=latent["v_head_dim"],
-        **DEEPSEEK)
+        mlp_hidden_dim=sizes["intermediate_size"], layer_kinds=["mla"] * layers,
+        mixer_options={"mla": {**latent, "q_lora_rank": q_rank}}, **DEEPSEEK)
 
 
 def config_to_deepseek(cfg: GPTConfig) -> dict:
@@ -152,7 +152,7 @@ def config_to_deepseek(cfg: GPTConfig) -> dict:
     if any(mixer.hf_layout != "deepseek_v3" for mixer in mixers):
         raise ValueError("DeepSeek-V3's layout holds multi-head latent attention in every "
                          f"layer; this model has {', '.join(sorted({m.title for m in mixers}))} "
-                         "(GPTConfig.mla_kv_lora_rank, layer_kinds)")
+                         "(GPTConfig.layer_kinds: mla in every layer)")
     differ = [f"{k}={getattr(cfg, k)!r}" for k, v in DEEPSEEK.items() if getattr(cfg, k) != v]
     if differ:
         raise ValueError(

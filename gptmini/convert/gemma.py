@@ -66,7 +66,7 @@ TABLE: list[tuple[str, str]] = [  # (gptmini name, Hugging Face name); {i}: ever
 GEMMA = {"position": "rope", "norm": "rmsnorm1p", "mlp": "geglu", "bias": False,
          "qkv_bias": False, "qk_norm": True, "post_norms": True, "scale_embeddings": True,
          "attn_softcap": None, "window_size": None, "attn_sinks": False, "attn_gate": "none",
-         "layer_kinds": None, "mla_kv_lora_rank": None, "norm_eps": QK_NORM_EPS}
+         "layer_kinds": None, "norm_eps": QK_NORM_EPS}
 """The GPTConfig options that make a model Gemma 3's architecture (its epsilon gptmini's
 QK-norm's, as Gemma has one rms_norm_eps)."""
 ACTIVATION = "gelu_pytorch_tanh"

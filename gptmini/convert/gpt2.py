@@ -128,9 +128,8 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         unsupported.append(f"layer_windows={cfg.layer_windows} (sliding-window attention)")
     book = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "qk_norm": False,
             "bias": True, "attn_softcap": None, "norm_eps": 1e-5, "attn_sinks": False,
-            "attn_gate": "none", "layer_kinds": None, "mla_kv_lora_rank": None,
-            "attn_scale_dim": None, "post_norms": False, "scale_embeddings": False,
-            "logit_softcap": None}
+            "attn_gate": "none", "layer_kinds": None, "attn_scale_dim": None,
+            "post_norms": False, "scale_embeddings": False, "logit_softcap": None}
     unsupported += [f"{field}={getattr(cfg, field)!r}" for field, value in book.items()
                     if getattr(cfg, field) != value]
     if cfg.head_size * cfg.n_heads != cfg.emb_dim:

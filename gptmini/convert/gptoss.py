@@ -57,7 +57,7 @@ down_proj_bias)."""
 GPT_OSS = {"position": "rope", "norm": "rmsnorm", "mlp": "oss_moe", "bias": True,
            "qkv_bias": True, "qk_norm": False, "attn_softcap": None, "window_size": None,
            "attn_sinks": True, "attn_gate": "none", "layer_kinds": None,
-           "mla_kv_lora_rank": None, "rope_local_theta": None, "attn_scale_dim": None,
+           "rope_local_theta": None, "attn_scale_dim": None,
            "post_norms": False, "scale_embeddings": False, "logit_softcap": None}
 """The GPTConfig options that make a model gpt-oss's architecture."""
 OPTIONS = {"num_local_experts": "experts", "num_experts_per_tok": "top_k",

@@ -77,7 +77,7 @@ as Qwen3 only with norm_eps equal to it."""
 LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
          "qkv_bias": False, "qk_norm": False, "attn_softcap": None, "window_size": None,
          "attn_sinks": False, "attn_gate": "none", "layer_kinds": None,
-         "mla_kv_lora_rank": None, "rope_local_theta": None, "attn_scale_dim": None,
+         "rope_local_theta": None, "attn_scale_dim": None,
          "post_norms": False, "scale_embeddings": False, "logit_softcap": None}
 """The GPTConfig options that make a model Llama's architecture (with qk_norm: Qwen3's);
 one with multi-head latent attention is DeepSeek-V3's (gptmini.convert.deepseek)."""

@@ -114,22 +114,6 @@ class GPTConfig(core.GPTConfig):
     """A sigmoid gate from the block's input on each head's output, before out_proj
     (Qwen3-Next's gated attention): none, headwise (one per head) or elementwise (one per
     output channel, Qwen3-Next's)."""
-    # Multi-head latent attention's own options (the "mla" mixer, gptmini.variants.latent,
-    # which checks them): on when mla_kv_lora_rank is set.
-    mla_kv_lora_rank: int | None = None
-    """Multi-head latent attention (gptmini.variants.latent): keys and values come from one
-    latent of this width per token, which with a shared rotary key is all the KV cache
-    holds; setting it makes every attention layer MLA. None: multi-head attention."""
-    mla_q_lora_rank: int | None = None
-    """With MLA, compress the query through a latent of this width (DeepSeek-V3's 1536);
-    None: a full query projection."""
-    mla_qk_nope_head_dim: int | None = None
-    """With MLA, a head's query/key part without positions; None: emb_dim // n_heads."""
-    mla_qk_rope_head_dim: int | None = None
-    """With MLA, the decoupled rotary part of queries and keys (rotated when position is
-    "rope"); None: half of emb_dim // n_heads."""
-    mla_v_head_dim: int | None = None
-    """With MLA, a head's value size; None: emb_dim // n_heads."""
     # Which token mixer each layer has (gptmini.model.mixers).
     layer_kinds: list[str] | None = None
     """Each layer's token mixer, a name in gptmini.model.mixers.MIXERS per layer:
@@ -137,6 +121,10 @@ class GPTConfig(core.GPTConfig):
     DeltaNet, gptmini.variants.deltanet: a fixed-size state instead of a KV cache), or one of
     your own as 'package.module:ClassName'. Qwen3-Next's 3:1 is ["deltanet", "deltanet",
     "deltanet", "attention"] repeated; None: attention everywhere."""
+    mixer_options: dict | None = None
+    """The token mixers' own options, under each mixer's name: {"mla": {"kv_lora_rank":
+    64, "q_lora_rank": 96}, "deltanet": {"num_heads": 8}} (each mixer's class lists the keys
+    it reads and their defaults); only for mixers some layer has. None: none."""
     # Local/global layer patterns (issue 37): a window per layer.
     layer_windows: list[int | None] | None = None
     """A sliding window per layer, None for a layer that sees every key: Gemma 3's five
@@ -256,7 +244,6 @@ class GPTConfig(core.GPTConfig):
             need(isinstance(self.mlp_hidden_dim, int) and self.mlp_hidden_dim >= 1,
                  "mlp_hidden_dim", "use a positive integer, or None for the default")
         need(MLPS.accepts(self.mlp), "mlp", f"use {MLPS.choices()}")
-        self._check_mlp_options()
         kinds = self.layer_kinds
         if kinds is not None:
             need(isinstance(kinds, list | tuple) and len(kinds) == self.n_layers
@@ -265,23 +252,33 @@ class GPTConfig(core.GPTConfig):
                  "(e.g. Qwen3-Next's 3:1: deltanet, deltanet, deltanet, attention), or None "
                  "for attention everywhere")
             self.layer_kinds = list(kinds)  # a tuple (or a YAML sequence) saved as a list
+        self._check_options()
         self.mixers()
         self.feed_forward()
 
-    def _check_mlp_options(self) -> None:
-        options = self.mlp_options
-        if options is None:
-            return
-        self._need(isinstance(options, dict) and all(isinstance(k, str) for k in options),
+    def _check_options(self) -> None:
+        """mlp_options and mixer_options (by mixer name): each part's own options, the keys
+        its class lists (`options`)."""
+        mixers = dict.fromkeys(layer_mixer_names(self))
+        self._need(self.mlp_options is None or isinstance(self.mlp_options, dict),
                    "mlp_options", "use a mapping of option names to values, or None")
-        try:
-            known = MLPS[self.mlp].options
-        except ValueError as err:  # a feed-forward of your own that does not import
-            raise ConfigError("mlp", self.mlp, str(err)) from None
-        unknown = sorted(set(options) - set(known))
-        self._need(not unknown, "mlp_options",
-                   f"the {self.mlp} feed-forward has no option {', '.join(unknown)}; it reads "
-                   + (", ".join(known) if known else "none: leave mlp_options None"))
+        self._need(self.mixer_options is None or isinstance(self.mixer_options, dict) and all(
+            name in mixers and isinstance(given, dict)
+            for name, given in self.mixer_options.items()), "mixer_options", "use a mapping "
+            f"from a mixer some layer has (layer_kinds: {', '.join(mixers)}) to a mapping of "
+            "its options, or None")
+        parts = [("mlp_options", "mlp", MLPS, self.mlp, self.mlp_options, "feed-forward"),
+                 *(("mixer_options", "layer_kinds", MIXERS, name, given, "mixer")
+                   for name, given in (self.mixer_options or {}).items())]
+        for field, named_by, table, name, given, what in parts:
+            try:
+                known = table[name].options
+            except ValueError as err:  # a part of your own that does not import
+                raise ConfigError(named_by, getattr(self, named_by), str(err)) from None
+            unknown = sorted(set(given or {}) - set(known))
+            self._need(not unknown, field, f"the {name} {what} has no option "
+                       f"{', '.join(unknown)}; it reads "
+                       + (", ".join(known) if known else f"none: leave {field} None"))
 
     def _check_layer_windows(self) -> None:
         """One window or None per layer, and no window_size beside them."""

@@ -6,8 +6,9 @@ ask instead of branching on a name.
     mla         multi-head latent attention, DeepSeek's (gptmini.variants.latent)
     deltanet    Gated DeltaNet, Qwen3-Next's linear attention (gptmini.variants.deltanet)
 
-GPTConfig.layer_kinds names each layer's (None: attention everywhere; mla_kv_lora_rank set
-makes the attention layers MLA). A variant's entry is its import path, imported when a
+GPTConfig.layer_kinds names each layer's (None: attention everywhere), and
+GPTConfig.mixer_options holds a mixer's own options under its name ({"mla": {"kv_lora_rank":
+64}}). A variant's entry is its import path, imported when a
 config names it, so `from gptmini.model import GPTModel` never loads it. A new one is its
 own file and one entry here; one of your own needs no entry: name its `TokenMixer` by
 import path 'package.module:ClassName' in layer_kinds. Its module is called by the block as
@@ -41,6 +42,9 @@ class TokenMixer:
 
     title: ClassVar[str] = "token mixer"
     """How messages name its layers ("Gated DeltaNet")."""
+    options: ClassVar[tuple[str, ...]] = ()
+    """The keys it reads from GPTConfig.mixer_options under its name (the config refuses
+    any other)."""
     has_weights: ClassVar[bool] = True
     """Its module computes attention weights (forward's return_weights, attention maps)."""
     pageable: ClassVar[bool] = True
@@ -59,6 +63,14 @@ class TokenMixer:
     def from_config(cls, cfg: Config) -> "TokenMixer":
         """This mixer for `cfg`, its own fields checked."""
         raise NotImplementedError
+
+    @classmethod
+    def options_of(cls, cfg: Config) -> dict:
+        """Its own options from cfg.mixer_options (under whichever name the layers give it),
+        or {}."""
+        names = [name for name in dict.fromkeys(layer_mixer_names(cfg)) if MIXERS[name] is cls]
+        given = cfg.mixer_options or {}
+        return dict(next((given[name] for name in names if name in given), None) or {})
 
     def make_module(self, layer: int, position_scheme: PositionScheme) -> nn.Module:
         """A new module for layer `layer` (0 first), with the model's position scheme."""
@@ -152,20 +164,5 @@ MIXERS = Table("token mixer", {
 
 
 def layer_mixer_names(cfg: Config) -> list[str]:
-    """Each layer's mixer name: cfg.layer_kinds, or attention everywhere; with
-    mla_kv_lora_rank set (MLA's switch, as configs, flags and checkpoints say it), the
-    attention layers are multi-head latent attention.
-
-    Raises:
-        ConfigError: MLA's other sizes set without its switch.
-    """
-    names = list(cfg.layer_kinds or ["attention"] * cfg.n_layers)
-    if cfg.mla_kv_lora_rank is not None:
-        return ["mla" if name == "attention" else name for name in names]
-    for field in ("mla_q_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim",
-                  "mla_v_head_dim"):
-        if getattr(cfg, field) is not None:
-            raise ConfigError(field, getattr(cfg, field), "it sizes multi-head latent "
-                              "attention: set mla_kv_lora_rank too (e.g. 4 * emb_dim // "
-                              "n_heads), or leave it None")
-    return names
+    """Each layer's mixer name: cfg.layer_kinds, or attention everywhere."""
+    return list(cfg.layer_kinds or ["attention"] * cfg.n_layers)

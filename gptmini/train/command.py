@@ -276,13 +276,23 @@ def check_accelerator(accelerator: str) -> None:
         )
 
 
+RETIRED = {"--model.mla_": "multi-head latent attention's sizes are its own options now: "
+           "--model.layer_kinds '[mla, mla, mla, mla]' (one per layer) --model.mixer_options "
+           "'{mla: {kv_lora_rank: 64}}'"}
+"""Options of older gptmini (by prefix) and what says the same now."""
+
+
 def check_keys(parser, args: list[str]):
-    """Unknown `--a.b` options: name the key and suggest the closest known one."""
+    """Unknown `--a.b` options: name the key and suggest the closest known one (or what
+    replaced a retired one)."""
     known = option_strings(parser) | group_fields("model", GPTLitModule)
     for arg in args:
         key = arg.split("=", 1)[0]
         if not key.startswith("--") or key in known or key in ("--help", "-h"):
             continue
+        for prefix, now in RETIRED.items():
+            if key.startswith(prefix):
+                raise SystemExit(f"train.py: {key} is gone: {now}")
         if key.startswith("--trainer.") and key.count(".") > 1:
             continue  # nested class arguments (callbacks, plugins) are checked by jsonargparse
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)

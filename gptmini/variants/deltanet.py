@@ -335,14 +335,25 @@ class GatedDeltaNetLayer(GatedDeltaNet):
 @dataclass(frozen=True)
 class DeltaNet(TokenMixer):
     """Gated DeltaNet as a layer's token mixer (the "deltanet" entry of
-    gptmini.model.mixers.MIXERS): n_heads heads of emb_dim // n_heads, the norms' epsilon;
-    its cache is a fixed state, which neither pages, rolls nor has attention weights."""
+    gptmini.model.mixers.MIXERS), the norms' epsilon and these options of
+    GPTConfig.mixer_options["deltanet"] (GatedDeltaNet's keywords):
+
+        num_heads       value heads, each with its own state (n_heads)
+        num_key_heads   query/key heads, a divisor of num_heads (num_heads)
+        head_dim        a query's and key's width (emb_dim // n_heads)
+        value_head_dim  a value's width (head_dim)
+        conv_kernel     the short convolution's width (4)
+
+    Its cache is a fixed state, which neither pages, rolls nor has attention weights."""
 
     title: ClassVar[str] = "Gated DeltaNet"
+    options: ClassVar[tuple[str, ...]] = ("num_heads", "num_key_heads", "head_dim",
+                                          "value_head_dim", "conv_kernel")
     has_weights: ClassVar[bool] = False
     pageable: ClassVar[bool] = False  # the engine's blocks hold keys and values
     rolls: ClassVar[bool] = False  # a state cannot drop its oldest tokens
     cfg: Any
+    sizes: dict
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> "DeltaNet":
@@ -358,35 +369,55 @@ class DeltaNet(TokenMixer):
                               "DeltaNet, which applies no window (its state holds every token "
                               f"it saw): give its layers None, layer_windows={example}"
                               + (" and window_size None" if field == "window_size" else ""))
-        return cls(cfg)
+        given = cls.options_of(cfg)
+        for name, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError("mixer_options", cfg.mixer_options, f"deltanet's {name} is "
+                                  f"{value!r}: use a positive integer, or leave it out for "
+                                  "its default")
+        heads = given.get("num_heads", cfg.n_heads)
+        head_dim = given.get("head_dim", cfg.emb_dim // cfg.n_heads)
+        sizes = {"num_heads": heads, "num_key_heads": given.get("num_key_heads", heads),
+                 "head_dim": head_dim, "value_head_dim": given.get("value_head_dim", head_dim),
+                 "conv_kernel": given.get("conv_kernel", CONV_KERNEL)}
+        if heads % sizes["num_key_heads"]:
+            raise ConfigError("mixer_options", cfg.mixer_options, f"deltanet's num_key_heads="
+                              f"{sizes['num_key_heads']} must divide its num_heads={heads} "
+                              "(each key head serves a group of value heads)")
+        return cls(cfg, sizes)
 
     def make_module(self, layer: int, position_scheme) -> GatedDeltaNetLayer:
-        cfg = self.cfg
-        return GatedDeltaNetLayer(cfg.emb_dim, cfg.n_heads, cfg.emb_dim // cfg.n_heads,
-                                  norm_eps=cfg.norm_eps)
+        sizes = dict(self.sizes)
+        return GatedDeltaNetLayer(self.cfg.emb_dim, sizes.pop("num_heads"),
+                                  sizes.pop("head_dim"), **sizes, norm_eps=self.cfg.norm_eps)
 
     def new_cache(self, module: nn.Module) -> DeltaNetState:
         return DeltaNetState()
 
     def flops_per_token(self, layer: int, seq_len: int) -> float:
-        """H heads, k = v = head_dim = d / H, conv kernel K, chunks of C tokens.
+        """H value heads of v = value_head_dim, H_k query/key heads of k = head_dim, conv
+        kernel K, chunks of C tokens.
 
-        Matmul weights: W_query, W_key, W_value, W_gate (d x d each), W_beta and W_decay
-        (d x H each), out_proj (d x d), and the depthwise convolution's K weights for each of
-        its 3 * d channels (2 * K FLOPs per channel and token forward, like a matmul weight).
+        Matmul weights: W_query and W_key (d x H_k k each), W_value and W_gate (d x H v
+        each), W_beta and W_decay (d x H each), out_proj (H v x d), and the depthwise
+        convolution's K weights for each of its 2 H_k k + H v channels (2 * K FLOPs per
+        channel and token forward, like a matmul weight).
 
-        The state update runs chunked in training (`chunked_delta_rule`). Per chunk and head,
-        forward: K_beta K^T and Q K^T (2 * C^2 * k each), two unit-triangular solves of C
-        rows for k and v right-hand columns (C^2 * (k + v), the BLAS trsm count), scores @ U
-        (2 * C^2 * v), and against the state U_per_state @ S, Q_decayed @ S and K_to_end^T @ U
-        (2 * C * k * v each). Per token: C * (5k + 3v) + 6 * k * v forward, times 3. A last
-        partial chunk is padded to C tokens and computed whole, so T is counted up to a
-        multiple of C. (Decoding runs the recurrent form instead: about 4 * k * v per head
-        and token, reading and writing the state; it is not training and not counted here.)
+        The state update runs chunked in training (`chunked_delta_rule`), each value head
+        with its group's key head. Per chunk and head, forward: K_beta K^T and Q K^T (2 *
+        C^2 * k each), two unit-triangular solves of C rows for k and v right-hand columns
+        (C^2 * (k + v), the BLAS trsm count), scores @ U (2 * C^2 * v), and against the
+        state U_per_state @ S, Q_decayed @ S and K_to_end^T @ U (2 * C * k * v each). Per
+        token: C * (5k + 3v) + 6 * k * v forward, times 3. A last partial chunk is padded to
+        C tokens and computed whole, so T is counted up to a multiple of C. (Decoding runs the
+        recurrent form instead: about 4 * k * v per head and token, reading and writing the
+        state; it is not training and not counted here.)
         """
-        d, heads = self.cfg.emb_dim, self.cfg.n_heads
-        k = v = d // heads
-        weights = 5 * d * d + 2 * d * heads + 3 * d * CONV_KERNEL
+        d, s = self.cfg.emb_dim, self.sizes
+        heads, k, v = s["num_heads"], s["head_dim"], s["value_head_dim"]
+        keys, values = s["num_key_heads"] * k, heads * v
+        weights = (2 * d * keys + 3 * d * values + 2 * d * heads
+                   + (2 * keys + values) * s["conv_kernel"])
         chunks = math.ceil(seq_len / CHUNK_SIZE)
         per_chunk = heads * (CHUNK_SIZE ** 2 * (5 * k + 3 * v) + 6 * CHUNK_SIZE * k * v)
         return 6 * weights + 3 * chunks * per_chunk / seq_len

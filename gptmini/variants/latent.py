@@ -26,7 +26,7 @@ names are Hugging Face's DeepseekV3Attention's, except `out_proj` (its o_proj), 
 every gptmini attention gives the projection into the residual stream.
 
 `LatentAttention` is the "mla" entry of the model's token mixers (gptmini.model.mixers):
-what a GPTModel asks of an MLA layer, from GPTConfig's mla_* fields, which it checks.
+what a GPTModel asks of an MLA layer, from GPTConfig.mixer_options["mla"], which it checks.
 """
 
 import math
@@ -239,11 +239,21 @@ class MultiHeadLatentAttention(nn.Module):
 @dataclass(frozen=True)
 class LatentAttention(TokenMixer):
     """Multi-head latent attention as a layer's token mixer (the "mla" entry of
-    gptmini.model.mixers.MIXERS): DeepSeek's sizes from GPTConfig's mla_* fields, defaults
-    filled in (`dims`, under MultiHeadLatentAttention's keywords), and the options of the
-    book's attention it lacks refused by name."""
+    gptmini.model.mixers.MIXERS): DeepSeek's sizes from GPTConfig.mixer_options["mla"],
+    defaults filled in (`dims`, under MultiHeadLatentAttention's keywords), and the options
+    of the book's attention it lacks refused by name. Its options, with head_dim = emb_dim
+    // n_heads:
+
+        kv_lora_rank       the latent a token's keys and values come from (4 * head_dim)
+        q_lora_rank        the query's latent (DeepSeek-V3's 1536); None: a full projection
+        qk_nope_head_dim   a head's query/key part without positions (head_dim)
+        qk_rope_head_dim   the decoupled rotary part (head_dim // 2, at least 2)
+        v_head_dim         a head's value size (head_dim)
+    """
 
     title: ClassVar[str] = "multi-head latent attention"
+    options: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                          "qk_rope_head_dim", "v_head_dim")
     pageable: ClassVar[bool] = False  # its cache holds latents, not per-head keys and values
     hf_layout: ClassVar[str | None] = "deepseek_v3"
     cfg: Any
@@ -251,38 +261,39 @@ class LatentAttention(TokenMixer):
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> "LatentAttention":
-        names = ("mla_kv_lora_rank", "mla_q_lora_rank", "mla_qk_nope_head_dim",
-                 "mla_qk_rope_head_dim", "mla_v_head_dim")
-        for name in names:
-            value = getattr(cfg, name)
-            if not (value is None and name != names[0]) and not (
+        given = cls.options_of(cfg)
+        for name, value in given.items():
+            if not (value is None and name != "kv_lora_rank") and not (
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ConfigError(name, value, "use a positive integer" + (
-                    ", or None for the default" if name != names[0] else
-                    " (e.g. 4 * emb_dim // n_heads) for multi-head latent attention"))
+                raise ConfigError("mixer_options", cfg.mixer_options, f"mla's {name} is "
+                                  f"{value!r}: use a positive integer, or leave it out for "
+                                  "its default")
         head_dim = cfg.emb_dim // cfg.n_heads
-        dims = {"kv_lora_rank": cfg.mla_kv_lora_rank, "q_lora_rank": cfg.mla_q_lora_rank,
-                "qk_nope_head_dim": cfg.mla_qk_nope_head_dim or head_dim,
-                "qk_rope_head_dim": cfg.mla_qk_rope_head_dim or max(2, head_dim // 2),
-                "v_head_dim": cfg.mla_v_head_dim or head_dim}
-        for field, rank, heads in (
-                ("mla_kv_lora_rank", dims["kv_lora_rank"],
+        dims = {"kv_lora_rank": given.get("kv_lora_rank") or 4 * head_dim,
+                "q_lora_rank": given.get("q_lora_rank"),
+                "qk_nope_head_dim": given.get("qk_nope_head_dim") or head_dim,
+                "qk_rope_head_dim": given.get("qk_rope_head_dim") or max(2, head_dim // 2),
+                "v_head_dim": given.get("v_head_dim") or head_dim}
+        for name, rank, heads in (
+                ("kv_lora_rank", dims["kv_lora_rank"],
                  dims["qk_nope_head_dim"] + dims["v_head_dim"]),
-                ("mla_q_lora_rank", dims["q_lora_rank"],
+                ("q_lora_rank", dims["q_lora_rank"],
                  dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"])):
             widest = cfg.n_heads * heads  # what the latent compresses, per token
             if rank is not None and rank > widest:
-                raise ConfigError(field, rank, f"a latent wider than the {cfg.n_heads} heads "
-                                  f"x {heads} dimensions it compresses ({widest} per token) "
-                                  f"caches and computes more than attention would; use at "
+                raise ConfigError("mixer_options", cfg.mixer_options, f"mla's {name} of "
+                                  f"{rank} is a latent wider than the {cfg.n_heads} heads x "
+                                  f"{heads} dimensions it compresses ({widest} per token): "
+                                  f"it caches and computes more than attention would; use at "
                                   f"most {widest}, far less for a saving (e.g. "
                                   f"{max(1, widest // 4)})")
         mixer = cls(cfg, dims)
         try:
             mixer.scheme_of(cfg.position_scheme())
         except ValueError:
-            raise ConfigError("mla_qk_rope_head_dim", cfg.mla_qk_rope_head_dim,
-                              "rotary dimensions turn in pairs: use an even size") from None
+            raise ConfigError("mixer_options", cfg.mixer_options, f"mla's qk_rope_head_dim "
+                              f"is {dims['qk_rope_head_dim']}: rotary dimensions turn in "
+                              "pairs, use an even size") from None
         for field, fine, fix in (
                 ("n_kv_heads", cfg.n_kv_heads is None, "it shares its latent across heads "
                  "already: leave n_kv_heads None"),
@@ -294,13 +305,13 @@ class LatentAttention(TokenMixer):
                  "attn_gate 'none'"),
                 ("layer_windows", cfg.layer_windows is None, "it has one window for every "
                  "layer: use window_size, or leave layer_windows None"),
-                ("head_dim", cfg.head_dim is None, "its heads are sized by mla_qk_nope_head_dim, "
-                 "mla_qk_rope_head_dim and mla_v_head_dim: leave head_dim None"),
+                ("head_dim", cfg.head_dim is None, "its heads are sized by its qk_nope_head_dim, "
+                 "qk_rope_head_dim and v_head_dim (mixer_options): leave head_dim None"),
                 ("attn_scale_dim", cfg.attn_scale_dim is None, "it scales by its query's "
                  "size: leave attn_scale_dim None")):
             if not fine:
                 raise ConfigError(field, getattr(cfg, field), "multi-head latent attention "
-                                  f"(mla_kv_lora_rank) has this option of attention's: {fix}")
+                                  f"(layer_kinds mla) has this option of attention's: {fix}")
         return mixer
 
     def scheme_of(self, scheme: PositionScheme) -> PositionScheme:

@@ -26,9 +26,10 @@ def tiny_config(**overrides) -> GPTConfig:
     fields = {"vocab_size": 257, "context_length": 32, "emb_dim": 32, "n_heads": 4,
               "n_layers": 2, "drop_rate": 0.0, "position": "rope", "norm": "rmsnorm",
               "norm_eps": 1e-6, "mlp": "swiglu", "mlp_hidden_dim": 48, "bias": False,
-              "tie_weights": False, "rope_theta": 500.0, "mla_kv_lora_rank": 16,
-              "mla_qk_nope_head_dim": 8, "mla_qk_rope_head_dim": 4, "mla_v_head_dim": 6}
-    return GPTConfig(**{**fields, **overrides})
+              "tie_weights": False, "rope_theta": 500.0, "layer_kinds": ["mla"] * 2}
+    mla = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+           **overrides.pop("mla", {})}
+    return GPTConfig(**{**fields, "mixer_options": {"mla": mla}, **overrides})
 
 
 def random_model(cfg: GPTConfig) -> GPTModel:
@@ -51,7 +52,7 @@ def token_ids() -> torch.Tensor:
     return torch.randint(0, 257, (2, 13), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("options", [{}, {"mla_q_lora_rank": 12, "tie_weights": True}],
+@pytest.mark.parametrize("options", [{}, {"mla": {"q_lora_rank": 12}, "tie_weights": True}],
                          ids=["full-query", "query-latent-tied"])
 def test_an_export_gives_transformers_deepseek_v3_our_logits(tmp_path, options):
     model = random_model(tiny_config(**options))
@@ -97,7 +98,7 @@ def test_a_deepseek_v3_transformers_saved_loads_with_its_logits(tmp_path, interl
 
 
 def test_the_round_trip_keeps_every_weight_and_the_greedy_tokens(tmp_path):
-    model = random_model(tiny_config(mla_q_lora_rank=12)).float()
+    model = random_model(tiny_config(mla={"q_lora_rank": 12})).float()
     export_hf(model, tmp_path, get_tokenizer("byte"))
     loaded = load_checkpoint(tmp_path)  # the model and the tokenizer, as any directory
     assert loaded.model.cfg == model.cfg

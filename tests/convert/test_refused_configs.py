@@ -183,7 +183,7 @@ EXPORT_CASES = {  # issue 45's options, each in a layout that has no place for i
                                      "rope_local_theta=10000.0"),
     "Llama with a score scale": ({**LLAMA_OPTIONS, "attn_scale_dim": 16.0},
                                  "attn_scale_dim=16.0"),
-    "DeepSeek-V3 with rope scaling": ({**LLAMA_OPTIONS, "mla_kv_lora_rank": 16,
+    "DeepSeek-V3 with rope scaling": ({**LLAMA_OPTIONS, "layer_kinds": ["mla"],
                                        "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
                                       "rope_scaling=.*'linear'"),
 }

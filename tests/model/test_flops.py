@@ -45,9 +45,11 @@ def counted_flops_per_token(cfg: GPTConfig, seq_len: int, backward: bool = True)
     {"n_kv_heads": 1, "mlp": "swiglu", "attn_gate": "headwise", "mlp_hidden_dim": 40},
     {"attn_gate": "elementwise", "position": "rope", "tie_weights": True},
     # multi-head latent attention: default sizes, then every size its own and a query latent
-    {"mla_kv_lora_rank": 12, "position": "rope"},
-    {"mla_kv_lora_rank": 12, "mla_q_lora_rank": 10, "mla_qk_nope_head_dim": 6,
-     "mla_qk_rope_head_dim": 4, "mla_v_head_dim": 5, "position": "rope", "mlp": "swiglu"},
+    {"layer_kinds": ["mla"] * 2, "mixer_options": {"mla": {"kv_lora_rank": 12}},
+     "position": "rope"},
+    {"layer_kinds": ["mla"] * 2, "mixer_options": {"mla": {
+        "kv_lora_rank": 12, "q_lora_rank": 10, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4,
+        "v_head_dim": 5}}, "position": "rope", "mlp": "swiglu"},
     # heads of their own size (36 wide together in a width of 16), Gemma's blocks
     {"n_heads": 3, "head_dim": 12, "n_kv_heads": 1, "attn_gate": "elementwise",
      "position": "rope", "mlp": "geglu", "post_norms": True, "norm": "rmsnorm1p"},
@@ -58,17 +60,36 @@ def test_attention_flops_equal_a_counted_training_step(options):
 
 
 @pytest.mark.parametrize("seq_len", [128, 96])  # 96: a last chunk padded to 64 tokens
-def test_deltanet_flops_equal_a_counted_forward_and_its_solves_times_three(seq_len):
+@pytest.mark.parametrize("options", [{}, {"num_heads": 4, "num_key_heads": 2, "head_dim": 6,
+                                          "value_head_dim": 10, "conv_kernel": 3}],
+                         ids=["n_heads", "own-sizes"])
+def test_deltanet_flops_equal_a_counted_forward_and_its_solves_times_three(seq_len, options):
     """FlopCounterMode does not count triangular solves: the test adds them by hand. Each
-    of the 2 heads of the one Gated DeltaNet layer solves, per chunk of 64 tokens, two
-    unit-lower-triangular 64 x 64 systems with 8 right-hand columns each (k and v are
-    16 // 2 = 8 wide), 64^2 * 8 FLOPs each (the BLAS trsm count). Training costs 3
-    forwards."""
-    cfg = GPTConfig(**TINY, layer_kinds=["deltanet", "attention"])
+    value head of the one Gated DeltaNet layer solves, per chunk of 64 tokens, two
+    unit-lower-triangular 64 x 64 systems, one with k and one with v right-hand columns
+    (by default 2 heads and k = v = 16 // 2 = 8), 64^2 FLOPs per column (the BLAS trsm
+    count). Training costs 3 forwards."""
+    cfg = GPTConfig(**TINY, layer_kinds=["deltanet", "attention"],
+                    mixer_options={"deltanet": options} if options else None)
+    heads, k, v = (options.get(name, default) for name, default in (
+        ("num_heads", 2), ("head_dim", 8), ("value_head_dim", options.get("head_dim", 8))))
     chunks = -(-seq_len // 64)
-    solves_per_token = 2 * chunks * 2 * 64 * 64 * 8 / seq_len
+    solves_per_token = heads * chunks * 64 * 64 * (k + v) / seq_len
     forward = counted_flops_per_token(cfg, seq_len, backward=False) + solves_per_token
     assert flops_per_token(cfg, seq_len=seq_len) == pytest.approx(3 * forward, rel=1e-12)
+
+
+def test_deltanets_options_are_checked_by_name():
+    kinds = {"layer_kinds": ["deltanet", "attention"]}
+    with pytest.raises(ValueError, match="deltanet's num_key_heads=3 must divide its "
+                                         "num_heads=4"):
+        GPTConfig(**TINY, **kinds, mixer_options={"deltanet": {"num_heads": 4,
+                                                               "num_key_heads": 3}})
+    with pytest.raises(ValueError, match="deltanet's head_dim is 0: use a positive integer"):
+        GPTConfig(**TINY, **kinds, mixer_options={"deltanet": {"head_dim": 0}})
+    with pytest.raises(ValueError, match="the deltanet mixer has no option heads; it reads "
+                                         "num_heads, num_key_heads"):
+        GPTConfig(**TINY, **kinds, mixer_options={"deltanet": {"heads": 4}})
 
 
 def test_matmul_measurement_is_plausible_and_leaves_global_rng_alone():

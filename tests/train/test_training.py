@@ -283,6 +283,12 @@ def test_unknown_option_names_the_key_and_suggests_the_close_one(old, new):
         build_cli([old, "2"])
 
 
+def test_a_retired_option_says_what_replaced_it():
+    with pytest.raises(SystemExit, match=r"--model.mla_kv_lora_rank is gone: .*"
+                                         r"--model.layer_kinds '\[mla, .*--model.mixer_options"):
+        build_cli(["--model.mla_kv_lora_rank", "32"])
+
+
 def test_no_option_of_lightnings_replaces_the_optimizer_or_its_schedule():
     """Before: `--optimizer SGD` replaced Muon/AdamW and the warmup-cosine schedule, and
     `--optimizer.lr 0.1` was an unknown option."""

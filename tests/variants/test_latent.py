@@ -18,9 +18,14 @@ def tiny_config(**overrides) -> GPTConfig:
     fields = {"vocab_size": 97, "context_length": 32, "emb_dim": 32, "n_heads": 4,
               "n_layers": 2, "drop_rate": 0.0, "position": "rope", "norm": "rmsnorm",
               "norm_eps": 1e-6, "mlp": "swiglu", "mlp_hidden_dim": 48, "bias": False,
-              "mla_kv_lora_rank": 16, "mla_qk_nope_head_dim": 8, "mla_qk_rope_head_dim": 4,
-              "mla_v_head_dim": 6}
-    return GPTConfig(**{**fields, **overrides})
+              "layer_kinds": ["mla"] * 2}
+    mla = {**SIZES, **overrides.pop("mla", {})}
+    return GPTConfig(**{**fields, "mixer_options": {"mla": mla}, **overrides})
+
+
+def mla(cfg: GPTConfig) -> dict:
+    """The MLA sizes `cfg` was given (the tests give every one but q_lora_rank)."""
+    return {"q_lora_rank": None, **cfg.mixer_options["mla"]}
 
 
 def deepseek(cfg: GPTConfig, rope_interleave: bool):
@@ -28,9 +33,9 @@ def deepseek(cfg: GPTConfig, rope_interleave: bool):
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.emb_dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads, kv_lora_rank=cfg.mla_kv_lora_rank,
-        q_lora_rank=cfg.mla_q_lora_rank, qk_rope_head_dim=cfg.mla_qk_rope_head_dim,
-        qk_nope_head_dim=cfg.mla_qk_nope_head_dim, v_head_dim=cfg.mla_v_head_dim,
+        num_key_value_heads=cfg.n_heads, kv_lora_rank=mla(cfg)["kv_lora_rank"],
+        q_lora_rank=mla(cfg)["q_lora_rank"], qk_rope_head_dim=mla(cfg)["qk_rope_head_dim"],
+        qk_nope_head_dim=mla(cfg)["qk_nope_head_dim"], v_head_dim=mla(cfg)["v_head_dim"],
         first_k_dense_replace=cfg.n_layers, max_position_embeddings=cfg.context_length,
         rms_norm_eps=cfg.norm_eps, rope_interleave=rope_interleave, attention_bias=False,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default",
@@ -43,7 +48,7 @@ def deepseek(cfg: GPTConfig, rope_interleave: bool):
 def rope_rows(cfg: GPTConfig, interleave: bool) -> torch.Tensor:
     """DeepSeek's interleaved rotary pairs (2i, 2i + 1) in gptmini's halves (i, i + r/2):
     the order of the rotary rows to take from a Hugging Face weight."""
-    rope = cfg.mla_qk_rope_head_dim
+    rope = mla(cfg)["qk_rope_head_dim"]
     return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]) if interleave \
         else torch.arange(rope)
 
@@ -67,12 +72,12 @@ def hf_to_gptmini(hf_state: dict, cfg: GPTConfig, interleave: bool) -> dict:
     """A state dict of GPTModel from DeepseekV3ForCausalLM's, written here independently of
     the model code: names by hand, and DeepSeek's interleaved rotary pairs (2i, 2i + 1)
     reordered into gptmini's halves (i, i + r/2), in the query's and the rotary key's rows."""
-    rope, nope = cfg.mla_qk_rope_head_dim, cfg.mla_qk_nope_head_dim
+    rope, nope = mla(cfg)["qk_rope_head_dim"], mla(cfg)["qk_nope_head_dim"]
     perm = (torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]) if interleave
             else torch.arange(rope))
     q_rows = torch.cat([torch.cat([torch.arange(nope), nope + perm]) + h * (nope + rope)
                         for h in range(cfg.n_heads)])
-    kv_rows = torch.cat([torch.arange(cfg.mla_kv_lora_rank), cfg.mla_kv_lora_rank + perm])
+    kv_rows = torch.cat([torch.arange(mla(cfg)["kv_lora_rank"]), mla(cfg)["kv_lora_rank"] + perm])
     ours = {}
     for key, value in hf_state.items():
         name = our_name(key)
@@ -95,7 +100,7 @@ HF_ATOL = 2e-6
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
 def test_whole_model_logits_equal_transformers_deepseek_v3(interleave, q_lora_rank):
-    cfg = tiny_config(mla_q_lora_rank=q_lora_rank)
+    cfg = tiny_config(mla={"q_lora_rank": q_lora_rank})
     hf = deepseek(cfg, interleave)
     model = GPTModel(cfg).double().eval()
     model.load_state_dict(hf_to_gptmini(hf.state_dict(), cfg, interleave), strict=True)
@@ -108,7 +113,7 @@ def test_whole_model_logits_equal_transformers_deepseek_v3(interleave, q_lora_ra
 
 def test_weights_load_the_other_way_too():
     """gptmini's random weights, loaded into DeepseekV3 (the inverse mapping), give its logits."""
-    cfg = tiny_config(mla_q_lora_rank=12)
+    cfg = tiny_config(mla={"q_lora_rank": 12})
     hf = deepseek(cfg, rope_interleave=False)
     torch.manual_seed(3)
     model = GPTModel(cfg).double().eval()
@@ -122,7 +127,7 @@ def test_weights_load_the_other_way_too():
 
 
 def test_cache_holds_the_latent_and_rotary_key_and_equals_recompute():
-    cfg = tiny_config(mla_q_lora_rank=12)
+    cfg = tiny_config(mla={"q_lora_rank": 12})
     torch.manual_seed(0)
     model = GPTModel(cfg).double().eval()
     idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -136,8 +141,8 @@ def test_cache_holds_the_latent_and_rotary_key_and_equals_recompute():
             steps += [model(idx[:, i : i + 1], kv_caches=caches) for i in range(5, 12)]
             torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
             # (b, 1, num_tokens, kv_lora_rank) latents and (b, 1, num_tokens, rope) keys only
-            assert caches[0].keys.shape == (2, 1, 12, cfg.mla_kv_lora_rank)
-            assert caches[0].values.shape == (2, 1, 12, cfg.mla_qk_rope_head_dim)
+            assert caches[0].keys.shape == (2, 1, 12, mla(cfg)["kv_lora_rank"])
+            assert caches[0].values.shape == (2, 1, 12, mla(cfg)["qk_rope_head_dim"])
 
 
 def test_latent_cache_reproduces_the_full_keys():
@@ -221,13 +226,45 @@ def test_no_future_token_moves_an_earlier_output():
             torch.testing.assert_close(att(changed)[:, :5], att(x)[:, :5], rtol=0, atol=0)
 
 
-def test_config_refuses_mla_sizes_without_the_rank_and_gqa_with_it():
-    with pytest.raises(ValueError, match="mla_v_head_dim.*set mla_kv_lora_rank"):
-        GPTConfig(mla_v_head_dim=8)
+def test_config_refuses_mla_options_without_mla_layers_and_gqa_with_them():
+    with pytest.raises(ValueError, match="mixer_options=.*use a mapping from a mixer some "
+                                         "layer has .*attention"):
+        GPTConfig(mixer_options={"mla": {"v_head_dim": 8}})
+    with pytest.raises(ValueError, match="the mla mixer has no option rank; it reads "
+                                         "kv_lora_rank, q_lora_rank"):
+        tiny_config(mla={"rank": 8})
     with pytest.raises(ValueError, match="n_kv_heads"):
         tiny_config(n_kv_heads=2)
-    with pytest.raises(ValueError, match="mla_qk_rope_head_dim.*even"):
-        tiny_config(mla_qk_rope_head_dim=3)
+    with pytest.raises(ValueError, match="mla's qk_rope_head_dim is 3: .* even"):
+        tiny_config(mla={"qk_rope_head_dim": 3})
+
+
+def test_a_checkpoint_with_the_mla_fields_of_before_mixer_options_loads_the_same(tmp_path):
+    """A checkpoint train.py wrote before mixer_options held MLA's sizes (GPTConfig fields
+    mla_kv_lora_rank, ...) loads as the same model and gives the same logits."""
+    from gptmini.checkpoint import load_checkpoint, write_model_entries
+    from gptmini.checkpoint.format import upgrade_fields
+    from gptmini.tokenizer import get_tokenizer
+
+    cfg = tiny_config(vocab_size=257, mla={"q_lora_rank": 12})
+    torch.manual_seed(0)
+    model = GPTModel(cfg).eval()
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in ("layer_kinds",
+                                                                  "mixer_options")}
+    old = {**fields, **{f"mla_{k}": v for k, v in mla(cfg).items()}}
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "hyper_parameters": {**old, "tokenizer": "byte"}}
+    write_model_entries(ckpt, cfg, get_tokenizer("byte"), "32-true")
+    ckpt["model_config"] = old  # as the older gptmini wrote it
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    loaded = load_checkpoint(tmp_path / "old.ckpt").model
+    assert loaded.cfg == cfg
+    idx = torch.randint(0, 257, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), model(idx))
+    assert upgrade_fields({"n_layers": 2, "mla_kv_lora_rank": None}) == {"n_layers": 2}
+    assert upgrade_fields({"n_layers": 2, "layer_kinds": ["attention", "deltanet"],
+                           "mla_kv_lora_rank": 8})["layer_kinds"] == ["mla", "deltanet"]
 
 
 def test_config_refuses_sinks_and_gate_that_mla_would_drop():
@@ -241,12 +278,12 @@ def test_config_refuses_sinks_and_gate_that_mla_would_drop():
 def test_config_refuses_a_latent_wider_than_what_it_compresses():
     """4 heads x (8 + 6) = 56 dimensions of keys and values per token: a latent of 1000
     would cache more than attention's own keys and values (issue 48)."""
-    with pytest.raises(ValueError, match="mla_kv_lora_rank=1000 is invalid: a latent wider "
+    with pytest.raises(ValueError, match="mla's kv_lora_rank of 1000 is a latent wider "
                                          r"than the 4 heads x 14 dimensions .*at most 56"):
-        tiny_config(mla_kv_lora_rank=1000)
-    with pytest.raises(ValueError, match="mla_q_lora_rank=49 .* at most 48"):
-        tiny_config(mla_q_lora_rank=49)
-    tiny_config(mla_kv_lora_rank=56, mla_q_lora_rank=48)
+        tiny_config(mla={"kv_lora_rank": 1000})
+    with pytest.raises(ValueError, match="mla's q_lora_rank of 49 .* at most 48"):
+        tiny_config(mla={"q_lora_rank": 49})
+    tiny_config(mla={"kv_lora_rank": 56, "q_lora_rank": 48})
 
 
 def latent_cache_step(module, x_new, cache):
