@@ -1,7 +1,7 @@
 """Hugging Face layouts in and out of `GPTModel`: GPT-2's (gpt2.py), Llama's and Qwen3's
 (llama.py), DeepSeek-V3's with every layer dense (deepseek.py), Gemma 3's (gemma.py),
-gpt-oss's (gptoss.py), the directories on disk (hub.py). No `transformers` import is
-needed."""
+gpt-oss's (gptoss.py), Qwen3.5's text model (qwen3_5.py), the directories on disk (hub.py).
+No `transformers` import is needed."""
 
 from gptmini.convert.deepseek import (
     config_from_deepseek,

@@ -19,6 +19,7 @@ from gptmini.convert.gpt2 import LAYOUTS as GPT2_LAYOUTS
 from gptmini.convert.gptoss import LAYOUTS as GPT_OSS_LAYOUTS
 from gptmini.convert.llama import LAYOUTS as LLAMA_LAYOUTS
 from gptmini.convert.llama import is_llama_architecture
+from gptmini.convert.qwen3_5 import LAYOUTS as QWEN3_5_LAYOUTS
 from gptmini.convert.staging import staged_directory
 from gptmini.convert.weights import check_finite, check_float_weights
 from gptmini.model import GPTConfig, GPTModel
@@ -30,10 +31,10 @@ __all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "re
 
 
 LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS,
-           **GPT_OSS_LAYOUTS}
+           **GPT_OSS_LAYOUTS, **QWEN3_5_LAYOUTS}
 """The `model_type`s gptmini reads and writes, each a `Layout` its module lists (GPT-2's;
 Llama's and Qwen3's, Llama's layout with QK-norm; DeepSeek-V3's, multi-head latent
-attention, every layer dense; Gemma 3's text model; gpt-oss's)."""
+attention, every layer dense; Gemma 3's text model; gpt-oss's; Qwen3.5's text model)."""
 
 
 def export_layout(model: GPTModel) -> str:
@@ -55,7 +56,8 @@ def export_layout(model: GPTModel) -> str:
 
 def load_hf(directory: str | Path) -> GPTModel:
     """A `GPTModel` (eval mode) from a local `save_pretrained` directory of a layout in
-    `LAYOUTS` (GPT-2, Llama, Qwen3(-MoE), DeepSeek-V3, Gemma 3's text model, gpt-oss).
+    `LAYOUTS` (GPT-2, Llama, Qwen3(-MoE), DeepSeek-V3, Gemma 3's and Qwen3.5's text models,
+    gpt-oss).
 
     Raises:
         FileNotFoundError: no config.json or no weights.

@@ -12,7 +12,7 @@ longrope) is named, as are settings it does not read.
 
 from collections.abc import Mapping
 
-from gptmini.attention.positions.scaling import ROPE_SCALINGS
+from gptmini.attention.positions.scaling import PARTIAL, ROPE_SCALINGS
 from gptmini.convert.weights import config_number
 
 __all__ = ["RopeEntry", "read_rope", "read_rope_entry", "rope_base", "rope_entries"]
@@ -23,9 +23,11 @@ RopeEntry = tuple[float | None, dict | None]
 """An entry read: its rope_theta (None: it has none) and GPTConfig.rope_scaling (None: plain)."""
 
 
-def read_rope_entry(entry: object, key: str, config: Mapping, problems: list[str]) -> RopeEntry:
+def read_rope_entry(entry: object, key: str, config: Mapping, problems: list[str], *,
+                    partial: bool = False) -> RopeEntry:
     """One rope entry (`config[key]`, or a layer type's of a nested one) as gptmini reads
-    it; what it cannot read goes into `problems`."""
+    it, with a partial_rotary_factor only where the layout turns part of a head (`partial`);
+    what it cannot read goes into `problems`."""
     if entry is None:
         return None, None
     if not isinstance(entry, Mapping):
@@ -36,13 +38,17 @@ def read_rope_entry(entry: object, key: str, config: Mapping, problems: list[str
              else config_number(entry, "rope_theta", key, 10000.0))
     kind = entry.get("rope_type", entry.get("type"))
     settings = {k: v for k, v in entry.items() if k not in PLAIN_KEYS}
-    if settings.get("partial_rotary_factor", 1.0) == 1.0:
-        settings.pop("partial_rotary_factor", None)  # every dimension rotates: gptmini's
+    turned = {} if settings.get(PARTIAL, 1.0) == 1.0 else {PARTIAL: settings[PARTIAL]}
+    settings.pop(PARTIAL, None)  # (1: every dimension turns, gptmini's default)
+    if turned and not partial:
+        problems.append(f"{key} with {PARTIAL}={turned[PARTIAL]!r} (this layout turns every "
+                        "dimension of a head)")
+        turned = {}
     if kind in (None, "default"):
         if settings:
             problems.append(f"{key} with {', '.join(f'{k}={v!r}' for k, v in settings.items())} "
                             f"and rope_type {kind!r} (plain rotary positions take no settings)")
-        return theta, None
+        return theta, ({"rope_type": "default", **turned} if turned else None)
     if kind not in ROPE_SCALINGS:
         problems.append(f"rope scaling {kind!r} in {key} (gptmini computes "
                         f"{', '.join(ROPE_SCALINGS)} scaling and plain rotary positions, "
@@ -54,18 +60,21 @@ def read_rope_entry(entry: object, key: str, config: Mapping, problems: list[str
             "original_max_position_embeddings"]:
         settings["factor"] = (config.get("max_position_embeddings", 0)
                               / settings["original_max_position_embeddings"])
-    return theta, {"rope_type": kind, **settings}
+    return theta, {"rope_type": kind, **settings, **turned}
 
 
-def read_rope(config: Mapping, layout: str, problems: list[str]) -> tuple[float, dict | None]:
+def read_rope(config: Mapping, layout: str, problems: list[str], *, partial: bool = False
+              ) -> tuple[float, dict | None]:
     """rope_theta and GPTConfig.rope_scaling of a config with one rotary setting for every
-    layer (Llama's, Qwen3's); `rope_parameters` and `rope_scaling` must agree."""
+    layer (Llama's, Qwen3's; `partial` as read_rope_entry's); `rope_parameters` and
+    `rope_scaling` must agree."""
     thetas, scalings = [], {}
     if config.get("rope_theta") is not None:
         thetas.append(config_number(config, "rope_theta", layout, 10000.0))
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key) is not None:
-            theta, scalings[key] = read_rope_entry(config[key], key, config, problems)
+            theta, scalings[key] = read_rope_entry(config[key], key, config, problems,
+                                                   partial=partial)
             thetas += [] if theta is None else [theta]
     if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
         problems.append(f"rope_parameters and rope_scaling that disagree ({scalings}): keep one")
@@ -85,9 +94,18 @@ def rope_base(config: Mapping, layout: str = "Llama") -> tuple[float, list[str]]
     return theta, problems
 
 
-def rope_entries(theta: float, scaling: dict | None) -> dict:
+def rope_entries(theta: float, scaling: dict | None, *, partial: bool = False) -> dict:
     """config.json's rope entries for `theta` and `scaling`: transformers 5's
-    rope_parameters, and for transformers 4 rope_theta and, if scaled, rope_scaling."""
+    rope_parameters, and for transformers 4 rope_theta and, if scaled, rope_scaling.
+
+    Raises:
+        ValueError: `scaling` turns part of each head, and the layout (not `partial`)
+            turns every dimension.
+    """
+    if not partial and PARTIAL in (scaling or {}):
+        raise ValueError(f"this model turns only part of each head ({PARTIAL}="
+                         f"{scaling[PARTIAL]}), and this layout turns every dimension: "
+                         "export it as Qwen3.5's, or train it without partial_rotary_factor")
     parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
     return {"rope_theta": theta, "rope_parameters": parameters,
             **({"rope_scaling": dict(scaling)} if scaling else {})}

@@ -352,6 +352,7 @@ class DeltaNet(TokenMixer):
     has_weights: ClassVar[bool] = False
     pageable: ClassVar[bool] = False  # the engine's blocks hold keys and values
     rolls: ClassVar[bool] = False  # a state cannot drop its oldest tokens
+    hf_layout: ClassVar[str | None] = "qwen3_5_text"
     cfg: Any
     sizes: dict
 

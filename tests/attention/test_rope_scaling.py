@@ -113,7 +113,44 @@ def test_generating_past_the_original_context_gives_transformers_tokens(tmp_path
      "rope_scaling=.* position 'learned' does not read it"),
     ({"position": "alibi", "rope_local_theta": 10000.0},
      "rope_local_theta=10000.0 is invalid: position 'alibi' does not read it"),
+    ({"rope_scaling": {"rope_type": "default", "factor": 2.0}},
+     "rope_type default scales nothing: leave out factor"),
+    ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.0}},
+     "partial_rotary_factor is 0.0: use the share of each head that turns"),
+    ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": float("nan")}},
+     "partial_rotary_factor is nan"),
+    ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.05}},
+     "it turns 3 of a head's 64 dimensions: .*even"),  # int(64 * 0.05), as transformers
 ])
 def test_what_is_not_a_scaling_is_refused_by_name(fields, match):
     with pytest.raises(ConfigError, match=match):
         GPTConfig(**{"position": "rope", **fields})
+
+
+def test_a_partial_share_turns_the_first_dimensions_as_rope_of_that_width():
+    """Qwen3.5's 0.25 of a head of 16: the first 4 dimensions turn exactly as rotary
+    positions of a 4-wide head (frequencies theta ** (-2i / 4)), the other 12 pass through,
+    as transformers' Qwen3-Next and Qwen3.5 apply it."""
+    cfg = GPTConfig(vocab_size=50, context_length=16, emb_dim=32, n_heads=2, n_layers=1,
+                    position="rope", rope_theta=100.0,
+                    rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25})
+    scheme = cfg.position_scheme()
+    assert scheme.rotary_dim == 4
+
+    class Context:  # what rotate reads of a pass
+        positions = torch.arange(7)[None]
+        settings = type("Settings", (), {"window_size": None})()
+
+        def once(self, key, make):
+            return make()
+
+    q, k = torch.randn(2, 1, 2, 7, 16, dtype=torch.float64)
+    turned_q, turned_k = scheme.rotate(q, k, Context())
+    for before, after in ((q, turned_q), (k, turned_k)):
+        assert torch.equal(after[..., 4:], before[..., 4:])
+        inv_freq = 100.0 ** (-torch.arange(0, 4, 2, dtype=torch.float64) / 4)  # (2,)
+        angle = torch.arange(7, dtype=torch.float64)[:, None] * inv_freq  # (7, 2)
+        x1, x2 = before[..., :2], before[..., 2:4]
+        want = torch.cat([x1 * angle.cos() - x2 * angle.sin(),
+                          x2 * angle.cos() + x1 * angle.sin()], dim=-1)
+        torch.testing.assert_close(after[..., :4], want, rtol=0, atol=1e-12)

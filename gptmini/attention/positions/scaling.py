@@ -15,8 +15,9 @@ frequencies (transformers recomputes frequencies only for the "dynamic" and "lon
 types, which gptmini does not compute). `GPTConfig.rope_scaling` holds the settings as
 Hugging Face's `rope_parameters` do, without `rope_theta`: `{"rope_type": "llama3",
 "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-"original_max_position_embeddings": 8192}`. A new type is a class here and its entry in
-`ROPE_SCALINGS`.
+"original_max_position_embeddings": 8192}`; beside any type, `partial_rotary_factor` turns
+only that share of each head (rope_type 'default': that alone). A new type is a class here
+and its entry in `ROPE_SCALINGS`.
 """
 
 import math
@@ -30,8 +31,8 @@ from torch import Tensor
 from gptmini.core.layers import ArgumentError
 from gptmini.core.positions import plain_inv_freq
 
-__all__ = ["ROPE_SCALINGS", "Llama3Scaling", "LinearScaling", "RopeScaling", "YarnScaling",
-           "plain_inv_freq", "rope_scaling"]
+__all__ = ["PARTIAL", "ROPE_SCALINGS", "Llama3Scaling", "LinearScaling", "RopeScaling",
+           "YarnScaling", "plain_inv_freq", "rope_scaling", "rotary_fraction"]
 
 
 class RopeScaling:
@@ -206,8 +207,15 @@ ROPE_SCALINGS: dict[str, type[RopeScaling]] = {
 """Every rope scaling by its rope_type."""
 
 
+PARTIAL = "partial_rotary_factor"
+"""The share of each head's dimensions that turn, the first ones (Hugging Face's name;
+Qwen3-Next's and Qwen3.5's 0.25): a setting beside any rope_type, read by
+`rotary_fraction`; 1 (or absent): all of them."""
+
+
 def rope_scaling(options: Mapping | None) -> RopeScaling | None:
-    """The scaling GPTConfig.rope_scaling describes (None: none).
+    """The scaling GPTConfig.rope_scaling describes (None: none, or rope_type 'default',
+    which scales nothing and at most turns part of each head: `rotary_fraction`).
 
     Raises:
         ArgumentError: naming rope_scaling: not a mapping, an unknown rope_type, settings
@@ -216,9 +224,30 @@ def rope_scaling(options: Mapping | None) -> RopeScaling | None:
     if options is None:
         return None
     kind = options.get("rope_type") if isinstance(options, Mapping) else None
-    if kind not in ROPE_SCALINGS:
+    if kind not in (*ROPE_SCALINGS, "default"):
         raise ArgumentError("rope_scaling", options, "use a mapping with a rope_type of "
                             f"{', '.join(ROPE_SCALINGS)} and its settings (e.g. "
-                            "{'rope_type': 'linear', 'factor': 8.0}), or None for none")
-    return ROPE_SCALINGS[kind].from_options({k: v for k, v in options.items()
-                                             if k != "rope_type"})
+                            "{'rope_type': 'linear', 'factor': 8.0}), or default with only "
+                            f"a {PARTIAL}, or None for none")
+    settings = {k: v for k, v in options.items() if k not in ("rope_type", PARTIAL)}
+    if kind == "default":
+        if settings:
+            raise ArgumentError("rope_scaling", options, f"rope_type default scales nothing: "
+                                f"leave out {', '.join(settings)} (it reads only {PARTIAL})")
+        return None
+    return ROPE_SCALINGS[kind].from_options(settings)
+
+
+def rotary_fraction(options: Mapping | None) -> float:
+    """The share of each head that turns, GPTConfig.rope_scaling's partial_rotary_factor
+    (1: all of it).
+
+    Raises:
+        ArgumentError: naming rope_scaling: a share that is not a number in (0, 1].
+    """
+    value = (options or {}).get(PARTIAL, 1.0) if isinstance(options, Mapping | None) else 1.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ArgumentError("rope_scaling", options, f"its {PARTIAL} is {value!r}: use the "
+                            "share of each head that turns, a number in (0, 1] (Qwen3.5's "
+                            "0.25)")
+    return float(value)
