@@ -83,6 +83,22 @@ def save_checkpoint(model: GPTModel, path: Path, tokenizer: str = "gpt2") -> Pat
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
 
 
+def assert_engine_serves_as_generate(model: GPTModel, prompts: list[list[int]],
+                                     max_new_tokens: int = 12, **engine) -> None:
+    """The engine (paged blocks, `engine`'s settings) continues each prompt with the
+    tokens `generate()` gives it alone with its KV cache (greedy)."""
+    from gptmini.generate.engine import Engine
+    from gptmini.generate.loop import generate
+
+    server = Engine(model, **engine)
+    requests = [server.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
+    while server.has_work:
+        server.step()
+    for p, request in zip(prompts, requests, strict=True):
+        alone = generate(model, torch.tensor([p]), max_new_tokens, use_cache=True)
+        assert request.tokens == alone[0, len(p):].tolist()
+
+
 def png_size(path: Path) -> tuple[int, int]:
     """(width, height) from the PNG signature and IHDR chunk."""
     data = Path(path).read_bytes()

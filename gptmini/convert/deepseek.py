@@ -35,6 +35,8 @@ from gptmini.convert.weights import (
     config_number,
     model_from_weights,
     quantization_problem,
+    take_weights,
+    untaken,
 )
 from gptmini.model import GPTConfig, GPTModel
 
@@ -223,20 +225,12 @@ def from_deepseek_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mappin
     """A `GPTModel` (eval mode) holding a dense `DeepseekV3ForCausalLM`'s weights."""
     cfg = config_from_deepseek(hf_config)
     interleaved = hf_config.get("rope_interleave", True)  # transformers' default
-    ours, seen, dims = {}, set(), latent_dims(cfg)
-    for name, hf_name in _expand(cfg):
-        if name == "out_head.weight" and cfg.tie_weights:
-            continue
-        if hf_name not in state_dict:
-            raise ValueError(f"the DeepSeek-V3 state dict has no {hf_name!r} (needed for "
-                             f"{name})")
-        weight = state_dict[hf_name]
-        ours[name] = _reorder_rotary(weight, cfg, dims, name, to_halves=True) if interleaved \
-            else weight
-        seen.add(hf_name)
-    unknown = sorted(k for k in set(state_dict) - seen
-                     if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
-    return model_from_weights(cfg, ours, unknown, "DeepSeek-V3")
+    ours, seen = take_weights(state_dict, _expand(cfg), cfg, "DeepSeek-V3")
+    if interleaved:
+        dims = latent_dims(cfg)
+        ours = {name: _reorder_rotary(weight, cfg, dims, name, to_halves=True)
+                for name, weight in ours.items()}
+    return model_from_weights(cfg, ours, untaken(state_dict, seen), "DeepSeek-V3")
 
 
 def to_deepseek_state_dict(model: GPTModel) -> dict[str, Tensor]:

@@ -36,8 +36,11 @@ from gptmini.convert.weights import (
     checked_config,
     config_integer,
     config_number,
+    give_weights,
     model_from_weights,
     quantization_problem,
+    take_weights,
+    untaken,
     windows_of_types,
 )
 from gptmini.model import GPTConfig, GPTModel
@@ -233,26 +236,15 @@ def _whole(number: float) -> float | int:
 def from_gemma3_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:
     """A `GPTModel` (eval mode) holding a `Gemma3ForCausalLM`'s weights."""
     cfg = config_from_gemma3(hf_config)
-    ours, seen = {}, set()
-    for name, hf_name in _expand(cfg.n_layers):
-        if name == "out_head.weight" and cfg.tie_weights:
-            continue
-        if hf_name not in state_dict:
-            raise ValueError(f"the Gemma 3 state dict has no {hf_name!r} (needed for {name})")
-        ours[name] = state_dict[hf_name]
-        seen.add(hf_name)
-    unknown = sorted(k for k in set(state_dict) - seen if k != "lm_head.weight")
-    return model_from_weights(cfg, ours, unknown, "Gemma 3")
+    ours, seen = take_weights(state_dict, _expand(cfg.n_layers), cfg, "Gemma 3")
+    return model_from_weights(cfg, ours, untaken(state_dict, seen), "Gemma 3")
 
 
 def to_gemma3_state_dict(model: GPTModel) -> dict[str, Tensor]:
     """`Gemma3ForCausalLM` keys for `model`'s weights (contiguous copies; a tied head is
     left out, as `save_pretrained` does)."""
     config_to_gemma3(model.cfg)  # raises for what Gemma 3's layout cannot hold
-    ours = model.state_dict()
-    return {hf_name: ours[name].detach().clone().contiguous()
-            for name, hf_name in _expand(model.cfg.n_layers)
-            if not (name == "out_head.weight" and model.cfg.tie_weights)}
+    return give_weights(model, _expand(model.cfg.n_layers))
 
 
 LAYOUTS = {"gemma3_text": Layout("Gemma 3", "Gemma3ForCausalLM", config_from_gemma3,

@@ -28,8 +28,11 @@ from gptmini.convert.weights import (
     checked_config,
     config_integer,
     config_number,
+    give_weights,
     model_from_weights,
     quantization_problem,
+    take_weights,
+    untaken,
     windows_of_types,
 )
 from gptmini.model import GPTConfig, GPTModel
@@ -161,20 +164,13 @@ def _expand(n_layers: int) -> list[tuple[str, str]]:
 def from_gptoss_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:
     """A `GPTModel` (eval mode) holding a `GptOssForCausalLM`'s weights."""
     cfg = config_from_gptoss(hf_config)
-    ours, seen = {}, set()
-    for name, hf_name in _expand(cfg.n_layers) + _experts(cfg.n_layers):
-        if name == "out_head.weight" and cfg.tie_weights:
-            continue
-        if hf_name not in state_dict:
-            raise ValueError(f"the gpt-oss state dict has no {hf_name!r} (needed for {name})")
-        seen.add(hf_name)
-        if "{e}" not in name:
-            ours[name] = state_dict[hf_name]
-            continue
-        for e, weight in enumerate(_split(hf_name, state_dict[hf_name])):
-            ours.update({name.format(e=e, proj=proj): w for proj, w in weight.items()})
-    unknown = sorted(k for k in set(state_dict) - seen if k != "lm_head.weight")
-    return model_from_weights(cfg, ours, unknown, "gpt-oss")
+    rows = _expand(cfg.n_layers) + _experts(cfg.n_layers)
+    taken, seen = take_weights(state_dict, rows, cfg, "gpt-oss")
+    ours = {name: w for name, w in taken.items() if "{e}" not in name}
+    for pattern, hf_name in _experts(cfg.n_layers):
+        for e, weights in enumerate(_split(hf_name, state_dict[hf_name])):
+            ours.update({pattern.format(e=e, proj=proj): w for proj, w in weights.items()})
+    return model_from_weights(cfg, ours, untaken(state_dict, seen), "gpt-oss")
 
 
 def _experts(n_layers: int) -> list[tuple[str, str]]:
@@ -198,10 +194,7 @@ def to_gptoss_state_dict(model: GPTModel) -> dict[str, Tensor]:
     """`GptOssForCausalLM` keys for `model`'s weights, the experts fused (contiguous
     copies; a tied head is left out, as `save_pretrained` does)."""
     config_to_gptoss(model.cfg)  # raises for what gpt-oss's layout cannot hold
-    ours = model.state_dict()
-    state = {hf_name: ours[name].detach().clone().contiguous()
-             for name, hf_name in _expand(model.cfg.n_layers)
-             if not (name == "out_head.weight" and model.cfg.tie_weights)}
+    state = give_weights(model, _expand(model.cfg.n_layers))
     for i, block in enumerate(model.trf_blocks):
         experts = block.ff.experts
         gate, up, down = ([getattr(e, proj) for e in experts]

@@ -34,8 +34,11 @@ from gptmini.convert.weights import (
     checked_config,
     config_integer,
     config_number,
+    give_weights,
     model_from_weights,
     quantization_problem,
+    take_weights,
+    untaken,
     windows_of_types,
 )
 from gptmini.model import GPTConfig, GPTModel, is_finite_number
@@ -308,17 +311,8 @@ def from_llama_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) 
     cfg = config_from_llama(hf_config)
     title = "Qwen3-MoE" if _moe(cfg) else "Llama"
     state_dict = _experts_one_by_one(state_dict)
-    ours, seen = {}, set()
-    for name, hf_name in _expand(cfg):
-        if name == "out_head.weight" and cfg.tie_weights:
-            continue
-        if hf_name not in state_dict:
-            raise ValueError(f"the {title} state dict has no {hf_name!r} (needed for {name})")
-        ours[name] = state_dict[hf_name]
-        seen.add(hf_name)
-    unknown = sorted(k for k in set(state_dict) - seen
-                     if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
-    return model_from_weights(cfg, ours, unknown, title)
+    ours, seen = take_weights(state_dict, _expand(cfg), cfg, title)
+    return model_from_weights(cfg, ours, untaken(state_dict, seen), title)
 
 
 def _experts_one_by_one(state_dict: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -343,21 +337,14 @@ def to_llama_state_dict(model: GPTModel) -> dict[str, Tensor]:
     """`LlamaForCausalLM` keys for `model`'s weights (contiguous copies; a tied head is
     left out, as `save_pretrained` does)."""
     config_to_llama(model.cfg)  # raises for what Llama's layout cannot hold
-    return _state(model)
+    return give_weights(model, _expand(model.cfg))
 
 
 def to_qwen3_moe_state_dict(model: GPTModel) -> dict[str, Tensor]:
     """`Qwen3MoeForCausalLM` keys for `model`'s weights, each expert's on its own, as its
     checkpoints store them (contiguous copies; a tied head is left out)."""
     config_to_qwen3_moe(model.cfg)  # raises for what Qwen3-MoE's layout cannot hold
-    return _state(model)
-
-
-def _state(model: GPTModel) -> dict[str, Tensor]:
-    ours = model.state_dict()
-    return {hf_name: ours[name].detach().clone().contiguous()
-            for name, hf_name in _expand(model.cfg)
-            if not (name == "out_head.weight" and model.cfg.tie_weights)}
+    return give_weights(model, _expand(model.cfg))
 
 
 def interleaved_to_halves(weight: Tensor, n_heads: int) -> Tensor:

@@ -30,8 +30,11 @@ from gptmini.convert.weights import (
     checked_config,
     config_integer,
     config_number,
+    give_weights,
     model_from_weights,
     quantization_problem,
+    take_weights,
+    untaken,
 )
 from gptmini.model import GPTConfig, GPTModel
 
@@ -208,14 +211,7 @@ def _fused(cfg: GPTConfig, i: int) -> tuple[str, list[str], list[int] | None]:
 def from_qwen3_5_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping) -> GPTModel:
     """A `GPTModel` (eval mode) holding a `Qwen3_5ForCausalLM`'s weights."""
     cfg = config_from_qwen3_5(hf_config)
-    ours, seen = {}, set()
-    for name, hf_name in _rows(cfg):
-        if name == "out_head.weight" and cfg.tie_weights:
-            continue
-        if hf_name not in state_dict:
-            raise ValueError(f"the Qwen3.5 state dict has no {hf_name!r} (needed for {name})")
-        ours[name] = state_dict[hf_name]
-        seen.add(hf_name)
+    ours, seen = take_weights(state_dict, _rows(cfg), cfg, "Qwen3.5")
     for i in range(cfg.n_layers):
         hf_name, names, rows = _fused(cfg, i)
         if hf_name not in state_dict:
@@ -227,8 +223,7 @@ def from_qwen3_5_state_dict(state_dict: Mapping[str, Tensor], hf_config: Mapping
                  fused.view(cfg.n_heads, 2, cfg.head_size, -1).unbind(1))
         ours.update({name: part.reshape(-1, fused.shape[-1])
                      for name, part in zip(names, parts, strict=True)})
-    unknown = sorted(k for k in set(state_dict) - seen if k != "lm_head.weight")
-    return model_from_weights(cfg, ours, unknown, "Qwen3.5")
+    return model_from_weights(cfg, ours, untaken(state_dict, seen), "Qwen3.5")
 
 
 def to_qwen3_5_state_dict(model: GPTModel) -> dict[str, Tensor]:
@@ -237,9 +232,7 @@ def to_qwen3_5_state_dict(model: GPTModel) -> dict[str, Tensor]:
     is left out, as `save_pretrained` does)."""
     cfg = model.cfg
     config_to_qwen3_5(cfg)  # raises for what Qwen3.5's layout cannot hold
-    ours = model.state_dict()
-    state = {hf_name: ours[name].detach().clone().contiguous() for name, hf_name in _rows(cfg)
-             if not (name == "out_head.weight" and cfg.tie_weights)}
+    ours, state = model.state_dict(), give_weights(model, _rows(cfg))
     for i in range(cfg.n_layers):
         hf_name, names, rows = _fused(cfg, i)
         weights = [ours[name].detach() for name in names]

@@ -11,8 +11,8 @@ from torch import Tensor
 from gptmini.model import ConfigError, GPTConfig, GPTModel
 
 __all__ = ["LAYER_TYPES", "Layout", "check_finite", "check_float_weights", "checked_config",
-           "config_integer", "config_number", "model_from_weights", "quantization_problem",
-           "windows_of_types"]
+           "config_integer", "config_number", "give_weights", "model_from_weights",
+           "quantization_problem", "take_weights", "untaken", "windows_of_types"]
 
 
 class Layout(NamedTuple):
@@ -57,6 +57,40 @@ def model_from_weights(cfg: GPTConfig, weights: dict[str, Tensor], unknown: list
     except RuntimeError as err:
         raise ValueError(f"the {layout} weights do not fit its config ({cfg}):\n{err}") from err
     return model.eval()
+
+
+def take_weights(state_dict: Mapping[str, Tensor], rows: list[tuple[str, str]],
+                 cfg: GPTConfig, layout: str) -> tuple[dict[str, Tensor], set[str]]:
+    """gptmini's weights of `rows` ((gptmini name, Hugging Face name) pairs) from a `layout`
+    state dict, and the Hugging Face names taken; a tied head is left to the embedding.
+
+    Raises:
+        ValueError: a weight missing, named with what needs it.
+    """
+    ours, seen = {}, set()
+    for name, hf_name in rows:
+        if name == "out_head.weight" and cfg.tie_weights:
+            continue
+        if hf_name not in state_dict:
+            raise ValueError(f"the {layout} state dict has no {hf_name!r} (needed for {name})")
+        ours[name] = state_dict[hf_name]
+        seen.add(hf_name)
+    return ours, seen
+
+
+def untaken(state_dict: Mapping[str, Tensor], seen: set[str]) -> list[str]:
+    """The state dict's keys no row took, but a tied model's head and the rotary buffers
+    some checkpoints carry (no weights)."""
+    return sorted(k for k in set(state_dict) - seen
+                  if k != "lm_head.weight" and not k.endswith("rotary_emb.inv_freq"))
+
+
+def give_weights(model: GPTModel, rows: list[tuple[str, str]]) -> dict[str, Tensor]:
+    """`model`'s weights of `rows` under their Hugging Face names (contiguous copies; a
+    tied head is left out, as `save_pretrained` does)."""
+    ours = model.state_dict()
+    return {hf_name: ours[name].detach().clone().contiguous() for name, hf_name in rows
+            if not (name == "out_head.weight" and model.cfg.tie_weights)}
 
 
 def checked_config(layout: str, **fields) -> GPTConfig:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from helpers import assert_engine_serves_as_generate
 
 from gptmini.convert import export_hf, load_hf
 from gptmini.convert.gemma import config_from_gemma3
-from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel, window_pattern
 
@@ -74,14 +74,8 @@ def test_a_transformers_gemma3_loads_with_its_logits_and_greedy_tokens(tmp_path)
             want = torch.cat([want, hf(want).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(generate(ours, prompt, 30, use_cache=True), want)
     # the engine, its local layers' pool dropping blocks behind their window of 4
-    engine = Engine(ours, block_size=4, num_blocks=48, max_batch=2)
-    prompts = [ids[0, :9].tolist(), ids[1, 20:33].tolist()]
-    requests = [engine.add_request(p, max_new_tokens=12) for p in prompts]
-    while engine.has_work:
-        engine.step()
-    for p, request in zip(prompts, requests, strict=True):
-        assert request.tokens == generate(ours, torch.tensor([p]), 12, use_cache=True)[
-            0, len(p):].tolist()
+    assert_engine_serves_as_generate(ours, [ids[0, :9].tolist(), ids[1, 20:33].tolist()],
+                                     block_size=4, num_blocks=48, max_batch=2)
 
 
 def gemma_config(**overrides) -> GPTConfig:

@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from helpers import column, read_metrics, tiny_args
+from helpers import assert_engine_serves_as_generate, column, read_metrics, tiny_args
 
 from gptmini.convert import export_hf, load_hf
 from gptmini.convert.gptoss import config_from_gptoss
-from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate
 from gptmini.model import ConfigError, GPTConfig, GPTModel
 from gptmini.variants.oss_moe import OssMoE
@@ -76,14 +75,8 @@ def test_a_transformers_gpt_oss_loads_with_its_logits_cache_and_engine(tmp_path)
             greedy = torch.cat([greedy, hf(greedy).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(generate(ours, prompt, 16, use_cache=True), greedy)
     assert torch.equal(generate(ours, prompt, 16, use_cache=False), greedy)
-    engine = Engine(ours, block_size=4, num_blocks=48, max_batch=2)
-    prompts = [x[0, :9].tolist(), x[1, 5:18].tolist()]
-    requests = [engine.add_request(p, max_new_tokens=12) for p in prompts]
-    while engine.has_work:
-        engine.step()
-    for p, request in zip(prompts, requests, strict=True):
-        assert request.tokens == generate(ours, torch.tensor([p]), 12, use_cache=True)[
-            0, len(p):].tolist()
+    assert_engine_serves_as_generate(ours, [x[0, :9].tolist(), x[1, 5:18].tolist()],
+                                     block_size=4, num_blocks=48, max_batch=2)
 
 
 def test_an_export_gives_transformers_our_logits_and_every_weight_back(tmp_path):
