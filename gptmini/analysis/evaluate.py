@@ -408,6 +408,8 @@ class ClassScore:
     classes: list[str]
     cut: int = 0
     """Texts longer than the context, classified from their start (as in training)."""
+    dropped: int = 0
+    """Their tokens past the context, not read."""
 
     def table(self) -> str:
         """The confusion table as text: a row per true class, a column per predicted one,
@@ -445,7 +447,7 @@ def score_classes(model: nn.Module, tokenizer: Encoding, records: LabeledRecords
         labels.append(label)
     accuracy, confusion = accuracy_and_confusion(torch.cat(predicted), torch.cat(labels),
                                                  len(classes))
-    return ClassScore(accuracy, confusion.tolist(), list(classes), data.cut)
+    return ClassScore(accuracy, confusion.tolist(), list(classes), data.cut, data.dropped)
 
 
 def labelled_records(path: str | None, hparams: dict, text_field: str,
@@ -530,7 +532,8 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             scored = score_classes(model, tokenizer, records, loaded_hparams["classes"],
                                    batch_size=args.batch_size, where=name)
             cut = (f" ({scored.cut:,} longer than the context of {model.cfg.context_length} "
-                   "tokens, classified from their start as in training)" if scored.cut else "")
+                   "tokens, classified from their start as in training: "
+                   f"{scored.dropped:,} tokens not read)" if scored.cut else "")
             return say(f"{name}: {len(records):,} examples{cut}\naccuracy "
                        f"{scored.accuracy:.4f}\n{scored.table()}")
         if args.choices is not None:

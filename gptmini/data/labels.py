@@ -233,7 +233,8 @@ def genre_records(split: str) -> LabeledRecords:
 class LabeledDataset(Dataset):
     """Token ids (cut to `max_length`, the book's truncation: the text's start) and class
     indices of labelled records; `pad_batch` batches them. `cut` counts the texts that were
-    longer than `max_length` (the caller says so: they are classified from their start).
+    longer than `max_length` and `dropped` the tokens past it, of `tokens` in all (the
+    caller says so: they are classified from their start).
 
     Args:
         where: the records, for errors (a file; "the validation share of ...").
@@ -250,6 +251,8 @@ class LabeledDataset(Dataset):
                              f"classes {classes}{_respelled(unknown, classes)}; {fix}")
         encoded = [tokenizer.encode_ordinary(t) for t in records.texts]
         self.cut = sum(len(ids) > max_length for ids in encoded)
+        self.dropped = sum(max(0, len(ids) - max_length) for ids in encoded)
+        self.tokens = sum(len(ids) for ids in encoded)
         self.ids = [ids[:max_length] or [tokenizer.eot_token] for ids in encoded]
         self.labels = [index[label] for label in records.labels]
 
@@ -274,7 +277,9 @@ def cut_note(name: str, data: LabeledDataset, max_length: int) -> str | None:
         return None
     return (f"{name}: {data.cut:,} of {len(data):,} texts are longer than the context "
             f"({max_length} tokens) and are classified from their first {max_length} (the "
-            "book's truncation); raise --model.context_length to read more of them")
+            f"book's truncation): {data.dropped:,} of the {data.tokens:,} tokens "
+            f"({data.dropped / data.tokens:.0%}) are not read; raise --model.context_length "
+            "to read more of them")
 
 
 def pad_batch(items: list[tuple[list[int], int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -3,6 +3,7 @@ acc and acc_norm on multiple-choice records, checked against answers worked out 
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -329,5 +330,6 @@ def test_a_classifier_on_labels_it_never_learned_names_the_file_and_evaluates_fi
     data.write_text(json.dumps({"text": "hi " * 9, "label": "ham"}) + "\n")
     assert evaluate_main(["--checkpoint", str(ckpt), "--data", str(data),
                           "--label_field", "label"]) == 0
-    assert ("1 examples (1 longer than the context of 8 tokens, classified from their start"
-            in capsys.readouterr().out)
+    said = capsys.readouterr().out
+    assert "1 examples (1 longer than the context of 8 tokens, classified from their" in said
+    assert re.search(r"start as in training: [1-9][\d,]* tokens not read\)", said), said
