@@ -52,6 +52,8 @@ SKIPPED = {
     "sft-addition": "fine-tunes the default run's checkpoint on addition (minutes)",
     "grpo-addition": "GRPO from the fine-tune on addition (minutes)",
     "qwen3-0.6b": "needs the Qwen3 download",
+    "HuggingFaceTB/SmolLM2": "downloads SmolLM2 from the Hub (tests/convert/test_hub_names.py "
+                             "loads a Hub name from a cache, offline)",
     "bench_busy.py": "trains the default run several times, each compiled from an empty cache "
                      "(10-20 minutes)",
 }

@@ -478,7 +478,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
         description="Score a checkpoint: loss, perplexity and bits per byte on the run's whole "
                     "validation split or any text; accuracy on multiple-choice tasks.")
     parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="a train.py .ckpt or a Hugging Face GPT-2 directory")
+                        help="a train.py .ckpt, a Hugging Face model directory, or a "
+                        "model's name on the Hub (org/name)")
     parser.add_argument("--data", default=None,
                         help="a text file, folder, glob or hub dataset to score (default: the "
                              "run's validation split)")

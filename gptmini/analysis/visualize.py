@@ -33,7 +33,8 @@ def visualize_parser() -> argparse.ArgumentParser:
     )
     source = att.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path,
-                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+                        help="gptmini checkpoint (.ckpt), Hugging Face model directory, or a "
+                        "model's name on the Hub (org/name)")
     source.add_argument("--hf", type=Path, help="the same as --checkpoint (kept for scripts)")
     att.add_argument("--prompt", default="", help="text to look at; empty = <|endoftext|>")
     att.add_argument("--layer", type=int, default=-1, help="layer from 0; -1 = the last")

@@ -32,6 +32,7 @@ from gptmini.convert import (
     directory_config,
     is_llama_architecture,
     load_hf,
+    local_checkpoint,
     read_json_object,
 )
 from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
@@ -111,8 +112,9 @@ def load_checkpoint(
     class names are `hparams["classes"]`).
 
     Args:
-        path: a gptmini `.ckpt` file, or a Hugging Face GPT-2 directory (`config.json` and
-            `model.safetensors` or `pytorch_model.bin`).
+        path: a gptmini `.ckpt` file, or a Hugging Face model directory (`config.json` and
+            `model.safetensors` or `pytorch_model.bin`), or a model's name on the Hub
+            (`org/name`, `org/name@revision`: gptmini.convert.local_checkpoint).
         map_location: device for the weights and the model.
         base: for a LoRA checkpoint, where its base is now, if it moved.
 
@@ -126,11 +128,12 @@ def load_checkpoint(
         ValueError: the file is corrupt or truncated, needs arbitrary unpickling, is not a
             gptmini checkpoint, or its weights do not fit its configuration.
     """
-    path = Path(path)
+    path = local_checkpoint(path)
     if not path.exists():
         raise FileNotFoundError(
             f"no checkpoint at {path}; pass the .ckpt file that train.py saved (look under "
-            "the run's checkpoints/ directory) or a Hugging Face GPT-2 directory"
+            "the run's checkpoints/ directory), a Hugging Face model directory, or a model's "
+            "name on the Hub (org/name)"
         )
     if torch.device(map_location).type != "cpu":  # else torch.load calls the file corrupt
         resolve_device(str(map_location))
@@ -221,18 +224,20 @@ def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] |
 
 def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
     """The architecture and the tokenizer of a model source without reading its weights: a
-    gptmini checkpoint (memory-mapped) or a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3
-    directory (its config.json and tokenizer.json). What `--model.init_from` starts from.
+    gptmini checkpoint (memory-mapped), a Hugging Face model directory (its config.json and
+    tokenizer.json) or a model's name on the Hub (`local_checkpoint`). What
+    `--model.init_from` starts from.
 
     Raises:
         FileNotFoundError: nothing at `path`, or a directory without config.json.
         ValueError: a file that is not a gptmini checkpoint, or a config gptmini cannot load.
     """
-    path = Path(path)
+    path = local_checkpoint(path)
     if not path.exists():
         raise FileNotFoundError(
             f"no model at {path}: pass a gptmini checkpoint (.ckpt, under a run's "
-            "checkpoints/) or a Hugging Face GPT-2, Llama, Qwen3 or DeepSeek-V3 directory")
+            "checkpoints/), a Hugging Face model directory, or a model's name on the Hub "
+            "(org/name)")
     if path.is_dir() and not is_sharded(path):
         cfg = directory_config(path)
         tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))

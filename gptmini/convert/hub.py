@@ -1,9 +1,11 @@
 """Hugging Face model directories on disk: `config.json` plus `model.safetensors` (or
-`pytorch_model.bin`), read into a GPTModel and written from one, GPT-2's layout, Llama's or
-DeepSeek-V3's picked by the config."""
+`pytorch_model.bin`), read into a GPTModel and written from one, the layout picked by the
+config; and a model named on the Hub (`org/name`, `org/name@revision`) as its directory in
+huggingface_hub's cache (`local_checkpoint`)."""
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -25,9 +27,8 @@ from gptmini.convert.weights import check_finite, check_float_weights
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
-__all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "model_type", "read_hf_config",
-           "read_hf_weights", "read_json_object",
-           "write_tokenizer_files"]
+__all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "local_checkpoint", "model_type",
+           "read_hf_config", "read_hf_weights", "read_json_object", "write_tokenizer_files"]
 
 
 LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS,
@@ -35,6 +36,69 @@ LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS,
 """The `model_type`s gptmini reads and writes, each a `Layout` its module lists (GPT-2's;
 Llama's and Qwen3's, Llama's layout with QK-norm; DeepSeek-V3's, multi-head latent
 attention, every layer dense; Gemma 3's text model; gpt-oss's; Qwen3.5's text model)."""
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+"""A model's name on the Hub, `org/name` with an optional `@revision` (a branch, tag or
+commit), as a checkpoint path that is not on disk may give it."""
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "generation_config.json", "chat_template.jinja"]
+"""What of a Hub repository gptmini reads (not its other formats: ONNX, GGUF, ...)."""
+
+
+def local_checkpoint(path: str | Path) -> Path:
+    """`path` where it is on disk; else, for a Hub name (`org/name[@revision]`), its
+    snapshot in huggingface_hub's cache (HF_HOME, HF_HUB_CACHE), downloaded first unless
+    HF_HUB_OFFLINE=1 says to read the cache alone. Any other path is returned as it is (its
+    reader says it is missing).
+
+    Raises:
+        FileNotFoundError: offline (or unreachable) and not cached, or a cached snapshot
+            without config.json or weights, naming what is missing and the fix.
+        ValueError: no such repository or revision, or a gated or private one (saying how
+            to log in).
+    """
+    local = Path(path)
+    if local.exists() or not HUB_NAME.fullmatch(str(path)):
+        return local
+    repo, _, revision = str(path).partition("@")
+    from huggingface_hub import constants, errors, snapshot_download
+
+    login = ("log in first: `hf auth login`, or set HF_TOKEN to a token of an account that "
+             "may read it")
+    try:
+        directory = Path(snapshot_download(repo, revision=revision or None,
+                                           allow_patterns=HUB_FILES,
+                                           local_files_only=constants.HF_HUB_OFFLINE))
+    except errors.GatedRepoError:
+        raise ValueError(f"{repo} is gated on the Hugging Face Hub: accept its terms on "
+                         f"https://huggingface.co/{repo}, then {login}") from None
+    except errors.RevisionNotFoundError:
+        raise ValueError(f"{repo} has no revision {revision!r} on the Hub: name a branch, tag "
+                         "or commit it has (org/name@main)") from None
+    except errors.RepositoryNotFoundError:
+        raise ValueError(f"no model {repo} on the Hugging Face Hub, or a private one: check "
+                         f"the name, or {login}") from None
+    except errors.LocalEntryNotFoundError:
+        why = ("HF_HUB_OFFLINE=1 reads the cache alone" if constants.HF_HUB_OFFLINE
+               else "the Hub could not be reached")
+        raise FileNotFoundError(
+            f"{path} is neither a file here nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and {why}: download it once online (unset "
+            f"HF_HUB_OFFLINE), or pass a local .ckpt or model directory") from None
+    missing = [name for name, found in (
+        ("config.json", (directory / "config.json").is_file()),
+        ("weights (model.safetensors, its index, or pytorch_model.bin)",
+         any((directory / f).is_file() for f in ("model.safetensors",
+                                                   "model.safetensors.index.json",
+                                                   "pytorch_model.bin")))) if not found]
+    if missing:
+        raise FileNotFoundError(
+            f"the cached snapshot of {path} ({directory}) has no {' and no '.join(missing)}: "
+            "download it again online (unset HF_HUB_OFFLINE), or it holds another format "
+            "gptmini does not read")
+    return directory
 
 
 def export_layout(model: GPTModel) -> str:

@@ -22,11 +22,13 @@ def generate_parser() -> argparse.ArgumentParser:
     """The `generate.py` command line."""
     parser = argparse.ArgumentParser(
         prog="generate.py",
-        description="Generate text from a gptmini checkpoint or a Hugging Face GPT-2 directory.",
+        description="Generate text from a gptmini checkpoint, a Hugging Face model "
+                    "directory, or a model named on the Hub.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path,
-                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+                        help="gptmini checkpoint (.ckpt), Hugging Face model directory, or a "
+                        "model's name on the Hub (org/name)")
     source.add_argument("--hf", type=Path, help="the same as --checkpoint (kept for scripts)")
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--prompt", default="", help="text to continue; empty = <|endoftext|>")

@@ -21,7 +21,8 @@ def serve_parser() -> argparse.ArgumentParser:
                     "the model's chat template.",
     )
     parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="gptmini checkpoint (.ckpt) or Hugging Face GPT-2 directory")
+                        help="gptmini checkpoint (.ckpt), Hugging Face model directory, or a "
+                        "model's name on the Hub (org/name)")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the network")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model_name", default=None,

@@ -47,12 +47,12 @@ class GPTLitModule(L.LightningModule):
             encoding name (see `gptmini.tokenizer.get_tokenizer`); train.py also takes
             "bpe:N", fitted to the run's corpus and saved in the run directory. The
             model's vocab_size is this tokenizer's number of ids.
-        init_from: A gptmini checkpoint (.ckpt) or a Hugging Face GPT-2, Llama or Qwen3
-            directory whose weights start a new run, for fine-tuning. train.py takes the
-            architecture and the tokenizer from it; the model settings must match it,
-            except dropout and a context_length up to the source's (a shorter one keeps
-            the first position embeddings). Ignored when resuming, except by LoRA, whose
-            checkpoints hold the adapters alone and load onto it.
+        init_from: A gptmini checkpoint (.ckpt), a Hugging Face model directory or a model's
+            name on the Hub (org/name) whose weights start a new run, for fine-tuning.
+            train.py takes the architecture and the tokenizer from it; the model settings
+            must match it, except dropout and a context_length up to the source's (a
+            shorter one keeps the first position embeddings). Ignored when resuming,
+            except by LoRA, whose checkpoints hold the adapters alone and load onto it.
         classes: Classification (the book's chapter 6): the class names, in the order
             of a class head that replaces the output head and reads each sequence's last
             real token. train.py sets them from --data.labels; None: a language model.

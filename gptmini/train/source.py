@@ -8,7 +8,6 @@ weights: its checkpoints hold the adapters alone).
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import tiktoken
 
@@ -21,6 +20,7 @@ from gptmini.checkpoint import (
     model_source,
     read_checkpoint,
 )
+from gptmini.convert import local_checkpoint
 from gptmini.finetune import base_fingerprint, grow_vocab
 from gptmini.model import GPTConfig, GPTModel
 
@@ -35,7 +35,7 @@ class Source:
     """The model a fine-tune starts from.
 
     Attributes:
-        path: the .ckpt or Hugging Face directory, as --model.init_from names it.
+        path: the .ckpt, Hugging Face directory or Hub name, as --model.init_from names it.
         config: its architecture (vocab_size the source's own, before a template grows it).
         tokenizer: its vocabulary; None when resuming (the run's checkpoint holds it).
         chat_template: the template it was tuned with (a chat fine-tune's checkpoint, a
@@ -57,8 +57,9 @@ class Source:
             FileNotFoundError: nothing there. ValueError: not a model gptmini reads.
         """
         config, tokenizer = model_source(path)
-        if Path(path).is_dir() and not is_sharded(path):  # a Hugging Face directory
-            return cls(str(path), config, tokenizer, directory_template(path, tokenizer))
+        local = local_checkpoint(path)  # (a Hub name's cached directory)
+        if local.is_dir() and not is_sharded(local):  # a Hugging Face directory
+            return cls(str(path), config, tokenizer, directory_template(local, tokenizer))
         checkpoint = read_checkpoint(path, "cpu", mmap=True, weights=False)
         entry = checkpoint.get("chat_template")
         classes = checkpoint["hyper_parameters"].get("classes")
