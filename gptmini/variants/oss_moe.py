@@ -30,8 +30,8 @@ class ClampedSwiGLU(SwiGLU):
     """gpt-oss's expert: down((clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)), g the gate
     clamped from above at `limit`."""
 
-    def __init__(self, emb_dim: int, hidden_dim: int, bias: bool = True, *,
-                 alpha: float = 1.702, limit: float = 7.0):
+    def __init__(self, emb_dim: int, hidden_dim: int, bias: bool = True, *, alpha: float,
+                 limit: float):
         super().__init__(emb_dim, hidden_dim, bias)
         self.alpha, self.limit = alpha, limit
 
