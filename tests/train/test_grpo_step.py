@@ -1,6 +1,10 @@
 """GRPO's step: it raises the reward of a task it can learn, the clip binds from the second
 inner step, the KL term starts at 0, pass@1 is greedy decoding checked, bad settings are
-named, and memory stays flat over some hundred steps."""
+named, and memory stays flat over some hundred steps; and the ways GRPO fails silently
+(issue 56) are each caught: dropout on in one pass only, the stop token left out of the
+loss, zero-variance groups pulling the gradient (stale samples, another temperature and
+prompt or padding tokens in the loss: the reward test's logprob_gap and
+tests/generate/test_rollouts.py)."""
 
 import os
 
@@ -80,6 +84,57 @@ def test_the_clip_binds_from_the_second_inner_step_and_the_kl_starts_at_zero():
     assert "reward" in history[0] and "reward" not in history[1]  # rollout metrics once
     assert max(h["clip_fraction"] for h in history[1:3]) > 0
     assert history[3]["kl"] > 0  # the next samples: the policy moved from the reference
+
+
+def test_dropout_is_off_in_both_passes_so_the_trainer_learns_what_was_sampled():
+    """A model in train mode with dropout 0.5: the engine samples without dropout, and the
+    trainer's log-probabilities of those tokens must be taken without it too (with it on,
+    the gap is ~0.5 nats and every ratio is noise)."""
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=CHAT.n_vocab, context_length=32, emb_dim=32,
+                               n_heads=2, n_layers=2, drop_rate=0.5)).train()
+    task = Vowels()
+    grpo = grpo_of(task, group_size=4, max_new_tokens=6)
+    problems = task.problems(4, 0)
+    _, metrics = grpo.learn(model, grpo.sample(model, problems, prompts_of(problems), 0))
+    assert metrics["logprob_gap"] < 1e-5 and model.training  # its mode given back
+
+
+def test_the_stop_token_is_a_target_with_the_engines_log_prob():
+    """Whether to stop is an action: a completion that stopped has its stop id as its last
+    target, weighted by its advantage, or the model unlearns stopping. The head is set so
+    that every sample stops at once."""
+    model = tiny_model()
+    end = CHAT.encode("<|end|>", allowed_special="all")[0]
+    with torch.no_grad():  # the final norm outputs its bias alone; only <|end|> reads it
+        model.final_norm.weight.zero_()
+        model.final_norm.bias.copy_(torch.linspace(-1, 1, 32))
+        model.out_head.weight.zero_()
+        model.out_head.weight[end] = 10 * model.final_norm.bias
+    task = Vowels()
+    problems = task.problems(2, 0)
+    scored = grpo_of(task, group_size=2).sample(model, problems, prompts_of(problems), 0)
+    assert all(scored.rollouts.stopped)
+    inputs, targets, old = scored.rows
+    for row, prompt in enumerate(scored.rollouts.prompts):
+        assert targets[row, len(prompt) - 1] == end  # the first completion token: the stop
+        assert (targets[row] != -100).sum() == 1
+        assert -1e-3 < old[row, len(prompt) - 1] <= 0  # log p(<|end|>) ~ 0, not left at 0
+
+
+def test_a_zero_variance_group_gives_no_gradient_and_is_counted():
+    """Rewards all equal in a group: advantages 0, so its tokens pull nothing; the step
+    reports the share of such groups (here 1 of 2), so a run of them says it learns nothing."""
+    from gptmini.finetune.grpo import group_advantages, grpo_loss, zero_variance_share
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 0 all right, group 1 split
+    advantages = group_advantages(rewards, 2)
+    logprobs = torch.full((4, 3), -1.0, requires_grad=True)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    grpo_loss(logprobs, logprobs.detach(), advantages, mask).loss.backward()
+    assert torch.equal(logprobs.grad[:2], torch.zeros(2, 3))
+    assert logprobs.grad[2:].abs().min() > 0
+    assert zero_variance_share(rewards, 2).item() == 0.5
 
 
 class Parity(Vowels):
