@@ -122,7 +122,8 @@ def plot_curves(
     dpi: int = 100,
 ) -> Path:
     """Train and validation loss (top), validation bits per byte (middle: or what `MIDDLE`
-    picks for the run) and learning rate (bottom) against optimizer steps.
+    picks for the run), an RL run's rollouts (`ROLLOUTS`) and the learning rate (bottom)
+    against optimizer steps.
 
     Args:
         run_dir: see `load_metrics`.
@@ -148,14 +149,18 @@ def plot_curves(
             f"{', '.join(sorted(metrics)) or 'none'}); train for at least log_every_n_steps"
         )
     fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
-    loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
+    rollouts = any(name in metrics for name, _, _ in ROLLOUTS)
+    loss_ax, bpb_ax, *rollout_ax, lr_ax = fig.subplots(
+        3 + rollouts, 1, sharex=True, height_ratios=[2, 1, 1] + [1] * rollouts)
     _plot_losses(loss_ax, metrics)
     _plot_headline(bpb_ax, metrics)
+    for ax in rollout_ax:
+        _plot_rollouts(ax, metrics)
     if _plot_or_say(lr_ax, metrics, "train/lr", color="tab:green", lw=1.2):
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("step")
-    for ax in (loss_ax, bpb_ax, lr_ax):
+    for ax in (loss_ax, bpb_ax, *rollout_ax, lr_ax):
         ax.grid(alpha=0.3)
         for step in resumes:
             ax.axvline(step, color="gray", ls=":", lw=1)
@@ -173,6 +178,29 @@ MIDDLE = (("val/bpb", "val bits per byte", None), ("val/accuracy", "val preferen
 """The middle panel, by what the run logged: bits per byte (which compares runs whatever
 their tokenizers), DPO's preference accuracy with its margin, a classifier's accuracy, or
 RL's held-out pass@1 with the mean reward of its samples."""
+
+
+ROLLOUTS = (("train/zero_variance", "zero-variance groups", "tab:red"),
+            ("train/clip_fraction", "clip fraction", "tab:blue"),
+            ("train/response_length", "response tokens", "tab:gray"))
+"""An RL run's panel above the learning rate: the shares of groups whose rewards are all
+alike (they teach nothing) and of tokens the clip held, and on the right the mean response
+length, so that a run that is not learning says so while it runs."""
+
+
+def _plot_rollouts(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:
+    """The rollouts' panel (`ROLLOUTS`): the shares on the left, the length on the right."""
+    *shares, (length, length_label, length_color) = ROLLOUTS
+    plotted = [ax.plot(*metrics[name], lw=1.0, color=color, label=label)
+               for name, label, color in shares if name in metrics]
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel("share")
+    if plotted:
+        ax.legend(loc="upper left", fontsize=8)
+    if length in metrics:
+        twin = ax.twinx()
+        twin.plot(*metrics[length], lw=1.0, color=length_color)
+        twin.set_ylabel(length_label, color=length_color)
 
 
 def _plot_headline(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> None:

@@ -84,6 +84,11 @@ SHOWN = (("val/bpb", "bpb"), ("val/acc", "acc"), ("val/accuracy", "accuracy"),
          ("val/margin", "margin"))
 """Validation metrics shown beside it when the run logged them (language modelling's
 bits per byte, a classifier's accuracy, DPO's preference accuracy and margin)."""
+TRENDS = (("train/reward", "reward", ".2f"), ("train/zero_variance", "zero-variance groups",
+          ".2f"), ("train/response_length", "response tokens", ".1f"),
+          ("train/clip_fraction", "clip fraction", ".2f"))
+"""An RL run's rollouts, first logged -> last: whether it learns (the reward rises) or cannot
+(every group's rewards alike, so no advantage; responses cut to nothing)."""
 
 
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
@@ -114,6 +119,10 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
                          f"(after step {at[i]:,}{note})")
     else:
         lines.append("validation   none yet (set --trainer.val_check_interval below max_steps)")
+    trends = [f"{label} {metrics[key][1][0]:{form}} -> {metrics[key][1][-1]:{form}}"
+              for key, label, form in TRENDS if metrics.get(key, ((), ()))[1]]
+    if trends:
+        lines.append(f"rollouts     {', '.join(trends)} (first -> last logged)")
     last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
     saved_best = (checkpoints / "best.ckpt").exists()  # a sharded one is a directory
     lines.append(f"checkpoints  {last}" + (f", {best}" if saved_best else ""))

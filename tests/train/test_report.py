@@ -33,6 +33,38 @@ def test_report_names_last_and_best_validation_and_the_next_commands(tmp_path):
     assert "evaluate.py --checkpoint" in evaluate and evaluate.endswith("best.ckpt")
 
 
+def test_an_rl_runs_report_and_curves_show_its_rollouts(tmp_path, monkeypatch):
+    """GRPO's diagnostics, first -> last in the report and a panel of their own in the
+    curves, so a run that is not learning says so (issue 56 item 4)."""
+    from gptmini.analysis import curves
+
+    metrics = {"val/loss": ([10, 20], [0.5, 0.4]), "val/pass_at_1": ([10, 20], [0.2, 0.35]),
+               "train/reward": ([5, 10, 20], [0.1, 0.2, 0.45]),
+               "train/zero_variance": ([5, 10, 20], [0.5, 0.25, 0.125]),
+               "train/response_length": ([5, 10, 20], [6.0, 5.5, 4.25]),
+               "train/clip_fraction": ([5, 10, 20], [0.0, 0.01, 0.03])}
+    text = format_report(run_name="grpo", steps=20, first_step=0, seconds=10.0, tokens=1,
+                         metrics=metrics, val_batches=2, checkpoints=tmp_path,
+                         curves=tmp_path / "curves.png")
+    assert ("rollouts     reward 0.10 -> 0.45, zero-variance groups 0.50 -> 0.12, response "
+            "tokens 6.0 -> 4.2, clip fraction 0.00 -> 0.03 (first -> last logged)") in text
+    run = tmp_path / "run" / "logs" / "version_0"
+    run.mkdir(parents=True)
+    rows = ["step,train/loss,train/reward,train/zero_variance,train/response_length,"
+            "train/clip_fraction,train/lr"]
+    rows += [f"{s},{1 - s / 40},{s / 40},{1 - s / 20},{8 - s / 5},{s / 100},0.001"
+             for s in range(1, 21)]
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+    drawn = []
+    monkeypatch.setattr(curves, "save_png", lambda fig, out: drawn.append(fig) or out)
+    curves.plot_curves(tmp_path / "run", tmp_path / "curves.png")
+    labels = [ax.get_ylabel() for ax in drawn[0].axes]
+    assert labels[:4] == ["loss", "val bits per byte", "share", "learning rate"]
+    assert "response tokens" in labels  # the rollouts panel's right-hand axis
+    lines = {line.get_label() for ax in drawn[0].axes for line in ax.get_lines()}
+    assert {"zero-variance groups", "clip fraction"} <= lines
+
+
 def test_a_classifiers_report_shows_accuracy_and_suggests_evaluate_py_only(tmp_path):
     """Before: a classifier's run suggested generate.py and serve.py, which answer its class
     ids as text."""
