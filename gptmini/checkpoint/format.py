@@ -25,16 +25,19 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
-from gptmini.chat import directory_template
+from gptmini.chat import ChatTemplate, directory_template, settings_template
 from gptmini.checkpoint.sharded import is_sharded, read_sharded, read_sharded_metadata
 from gptmini.convert import (
     check_finite,
+    config_of,
     directory_config,
     is_llama_architecture,
     load_hf,
     local_checkpoint,
+    model_of,
     read_json_object,
 )
+from gptmini.convert.gguf import GgufContents, is_gguf, read_gguf
 from gptmini.finetune import adapter_state, add_class_head, add_lora, base_fingerprint, merge_lora
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.runtime import auto_dtype, resolve_device
@@ -58,7 +61,9 @@ __all__ = [
     "model_config",
     "model_source",
     "read_checkpoint",
+    "run_data_settings",
     "tokenizer_entry",
+    "gguf_template",
     "training_steps",
     "upgrade_fields",
     "write_model_entries",
@@ -113,8 +118,9 @@ def load_checkpoint(
 
     Args:
         path: a gptmini `.ckpt` file, or a Hugging Face model directory (`config.json` and
-            `model.safetensors` or `pytorch_model.bin`), or a model's name on the Hub
-            (`org/name`, `org/name@revision`: gptmini.convert.local_checkpoint).
+            `model.safetensors` or `pytorch_model.bin`), or a GGUF file (gptmini.convert.gguf),
+            or a model's name on the Hub (`org/name`, `org/name@revision`:
+            gptmini.convert.local_checkpoint).
         map_location: device for the weights and the model.
         base: for a LoRA checkpoint, where its base is now, if it moved.
 
@@ -139,6 +145,8 @@ def load_checkpoint(
         resolve_device(str(map_location))
     if path.is_dir() and not is_sharded(path):
         return _load_hf_directory(path, map_location)
+    if is_gguf(path):
+        return _load_gguf(path, map_location)
 
     ckpt = read_checkpoint(path, map_location)
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
@@ -225,7 +233,8 @@ def _adapted_model(cfg: GPTConfig, state: dict, lora: dict, classes: list[str] |
 def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
     """The architecture and the tokenizer of a model source without reading its weights: a
     gptmini checkpoint (memory-mapped), a Hugging Face model directory (its config.json and
-    tokenizer.json) or a model's name on the Hub (`local_checkpoint`). What
+    tokenizer.json), a GGUF file (its metadata) or a model's name on the Hub
+    (`local_checkpoint`). What
     `--model.init_from` starts from.
 
     Raises:
@@ -242,6 +251,10 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
         cfg = directory_config(path)
         tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))
         return cfg.fit_vocab(tokenizer.n_vocab), tokenizer
+    if is_gguf(path):
+        contents = read_gguf(path, weights=False)
+        cfg = config_of(contents.hf_config, path)
+        return cfg.fit_vocab(contents.tokenizer.n_vocab), contents.tokenizer
     ckpt = read_checkpoint(path, "cpu", mmap=True, weights=False)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict):
         raise ValueError(f"{path} is not a gptmini checkpoint (what train.py saves)")
@@ -266,6 +279,25 @@ def _load_hf_directory(path: Path, map_location: str | torch.device) -> LoadedMo
     if template is not None:
         hparams["chat_template"] = template.to_dict()
     return LoadedModel(model.to(map_location).eval(), tokenizer, hparams)
+
+
+def _load_gguf(path: Path, map_location: str | torch.device) -> LoadedModel:
+    """`load_checkpoint` of a GGUF file: its model, dequantized to float32, its vocabulary
+    and its chat template."""
+    contents = read_gguf(path)
+    model = model_of(contents.hf_config, contents.state, path)
+    model.cfg = model.cfg.fit_vocab(contents.tokenizer.n_vocab)
+    hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
+    template = gguf_template(path, contents)
+    if template is not None:
+        hparams["chat_template"] = template.to_dict()
+    return LoadedModel(model.to(map_location).eval(), contents.tokenizer, hparams)
+
+
+def gguf_template(path: Path, contents: GgufContents) -> ChatTemplate | None:
+    """A GGUF file's chat template (`tokenizer.chat_template`), ending at its eos token."""
+    return settings_template(path.stem, contents.tokenizer_config, [], contents.tokenizer,
+                             path)
 
 
 def _model_holding(cfg: GPTConfig, model_state: dict, path: Path,
@@ -311,14 +343,24 @@ def load_on_device(path: str | Path, device: torch.device | str, dtype: str) -> 
 
 def training_steps(path: str | Path) -> int | None:
     """The optimizer steps a gptmini checkpoint was saved after (Lightning's `global_step`);
-    None for a Hugging Face directory or a file without the count. Memory-maps the file,
-    so a large checkpoint is not read twice."""
+    None for a Hugging Face directory, a GGUF file or a file without the count. Memory-maps
+    the file, so a large checkpoint is not read twice."""
     path = Path(path)
-    if path.is_dir() and not is_sharded(path):
+    if (path.is_dir() and not is_sharded(path)) or is_gguf(path):
         return None
     ckpt = read_checkpoint(path, mmap=True, weights=False)
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
     return step if isinstance(step, int) else None
+
+
+def run_data_settings(path: str | Path) -> dict:
+    """The data settings a train.py checkpoint was trained with ({} for other models: a
+    Hugging Face directory, a Hub name's, a GGUF file)."""
+    path = local_checkpoint(path)
+    if path.is_dir() or is_gguf(path):
+        return {}
+    ckpt = read_checkpoint(path, "cpu", mmap=True, weights=False)
+    return dict(ckpt.get("datamodule_hyper_parameters") or {})
 
 
 def _hf_directory_tokenizer(path: Path, gpt2_layout: bool) -> tiktoken.Encoding:

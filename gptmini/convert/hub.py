@@ -27,8 +27,9 @@ from gptmini.convert.weights import check_finite, check_float_weights
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.tokenizer import to_hf_tokenizer
 
-__all__ = ["LAYOUTS", "export_hf", "export_layout", "load_hf", "local_checkpoint", "model_type",
-           "read_hf_config", "read_hf_weights", "read_json_object", "write_tokenizer_files"]
+__all__ = ["LAYOUTS", "config_of", "export_hf", "export_layout", "load_hf", "local_checkpoint",
+           "model_of", "model_type", "read_hf_config", "read_hf_weights", "read_json_object",
+           "write_tokenizer_files"]
 
 
 LAYOUTS = {**GPT2_LAYOUTS, **LLAMA_LAYOUTS, **DEEPSEEK_LAYOUTS, **GEMMA_LAYOUTS,
@@ -133,10 +134,32 @@ def load_hf(directory: str | Path) -> GPTModel:
     # The config first: a directory of another architecture is not read further.
     directory_config(directory)
     hf_config, state = read_hf_weights(directory)
+    return model_of(hf_config, state, directory)
+
+
+def model_of(hf_config: dict, state: dict[str, Tensor], where: str | Path) -> GPTModel:
+    """A `GPTModel` (eval mode) of a config.json dict and a state dict of its layout (read
+    from `where`, which errors name).
+
+    Raises:
+        ValueError: as `load_hf`.
+    """
     try:
         return LAYOUTS[model_type(hf_config)].model_from(state, hf_config)
     except ValueError as err:
-        raise ValueError(f"{directory}: {err}") from None
+        raise ValueError(f"{where}: {err}") from None
+
+
+def config_of(hf_config: dict, where: str | Path) -> GPTConfig:
+    """The `GPTConfig` of a config.json dict (read from `where`, which errors name).
+
+    Raises:
+        ValueError: as `load_hf`.
+    """
+    try:
+        return LAYOUTS[model_type(hf_config)].config_from(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def directory_config(directory: str | Path) -> GPTConfig:
@@ -148,11 +171,7 @@ def directory_config(directory: str | Path) -> GPTConfig:
         ValueError: naming the file and the field, as `load_hf`.
     """
     directory = Path(directory)
-    hf_config = read_hf_config(directory)
-    try:
-        return LAYOUTS[model_type(hf_config)].config_from(hf_config)
-    except ValueError as err:
-        raise ValueError(f"{directory / 'config.json'}: {err}") from None
+    return config_of(read_hf_config(directory), directory / "config.json")
 
 
 def model_type(hf_config: dict) -> str:

@@ -14,6 +14,7 @@ import tiktoken
 from gptmini.chat import ChatTemplate, directory_template
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
+    gguf_template,
     is_sharded,
     load_checkpoint,
     model_config,
@@ -21,6 +22,7 @@ from gptmini.checkpoint import (
     read_checkpoint,
 )
 from gptmini.convert import local_checkpoint
+from gptmini.convert.gguf import is_gguf, read_gguf
 from gptmini.finetune import base_fingerprint, grow_vocab
 from gptmini.model import GPTConfig, GPTModel
 
@@ -60,6 +62,9 @@ class Source:
         local = local_checkpoint(path)  # (a Hub name's cached directory)
         if local.is_dir() and not is_sharded(local):  # a Hugging Face directory
             return cls(str(path), config, tokenizer, directory_template(local, tokenizer))
+        if is_gguf(local):
+            return cls(str(path), config, tokenizer, gguf_template(local, read_gguf(local,
+                                                                              weights=False)))
         checkpoint = read_checkpoint(path, "cpu", mmap=True, weights=False)
         entry = checkpoint.get("chat_template")
         classes = checkpoint["hyper_parameters"].get("classes")

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from gptmini.analysis.evaluate import evaluate_main
 from gptmini.checkpoint import load_checkpoint, model_source
 from gptmini.convert import export_hf, local_checkpoint
 from gptmini.generate.command import generate_main
@@ -52,10 +53,13 @@ def test_a_cached_hub_name_loads_as_its_directory(cache, name):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_generate_py_takes_a_hub_name(cache, capsys):
+def test_generate_py_and_evaluate_py_take_a_hub_name(cache, capsys, tmp_path):
     assert generate_main(["--checkpoint", "org/tiny", "--prompt", "hi", "--max_new_tokens",
                           "3", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("hi")
+    (tmp_path / "text.txt").write_text("hello there, " * 20)
+    assert evaluate_main(["--checkpoint", "org/tiny", "--data", str(tmp_path / "text.txt")]) == 0
+    assert "bits per byte" in capsys.readouterr().out
 
 
 def test_a_path_on_disk_wins_and_a_path_that_is_no_name_is_left_to_its_reader(cache, tmp_path):
