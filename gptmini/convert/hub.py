@@ -42,36 +42,67 @@ attention, every layer dense; Gemma 3's text model; gpt-oss's; Qwen3.5's text mo
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 """A model's name on the Hub, `org/name` with an optional `@revision` (a branch, tag or
 commit), as a checkpoint path that is not on disk may give it."""
+HUB_GGUF = re.compile(r"([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w.-]+))?/([\w./-]+\.gguf)")
+"""One GGUF file of a Hub repository: `org/name/file.gguf`, `org/name@revision/file.gguf`
+(GGUF repositories hold one file per quantization)."""
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json",
              "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "generation_config.json", "chat_template.jinja"]
-"""What of a Hub repository gptmini reads (not its other formats: ONNX, GGUF, ...)."""
+"""What of a Hub repository gptmini reads for a model's name (not its other formats: ONNX,
+GGUF, ...; a GGUF file is named by its path in the repository)."""
 
 
 def local_checkpoint(path: str | Path) -> Path:
     """`path` where it is on disk; else, for a Hub name (`org/name[@revision]`), its
     snapshot in huggingface_hub's cache (HF_HOME, HF_HUB_CACHE), downloaded first unless
-    HF_HUB_OFFLINE=1 says to read the cache alone. Any other path is returned as it is (its
-    reader says it is missing).
+    HF_HUB_OFFLINE=1 says to read the cache alone; for a GGUF file of a Hub repository
+    (`org/name[@revision]/file.gguf`), that file in the cache. Any other path is returned
+    as it is (its reader says it is missing).
 
     Raises:
         FileNotFoundError: offline (or unreachable) and not cached, or a cached snapshot
             without config.json or weights, naming what is missing and the fix.
-        ValueError: no such repository or revision, or a gated or private one (saying how
-            to log in).
+        ValueError: no such repository, revision or file, or a gated or private repository
+            (saying how to log in).
     """
     local = Path(path)
-    if local.exists() or not HUB_NAME.fullmatch(str(path)):
+    if local.exists():
+        return local
+    if gguf := HUB_GGUF.fullmatch(str(path)):
+        repo, revision, filename = gguf.groups()
+        from huggingface_hub import hf_hub_download
+
+        return _from_hub(path, repo, revision, lambda offline: hf_hub_download(
+            repo, filename, revision=revision, local_files_only=offline))
+    if not HUB_NAME.fullmatch(str(path)):
         return local
     repo, _, revision = str(path).partition("@")
-    from huggingface_hub import constants, errors, snapshot_download
+    from huggingface_hub import snapshot_download
+
+    directory = _from_hub(path, repo, revision, lambda offline: snapshot_download(
+        repo, revision=revision or None, allow_patterns=HUB_FILES, local_files_only=offline))
+    missing = [name for name, found in (
+        ("config.json", (directory / "config.json").is_file()),
+        ("weights (model.safetensors, its index, or pytorch_model.bin)",
+         any((directory / f).is_file() for f in ("model.safetensors",
+                                                   "model.safetensors.index.json",
+                                                   "pytorch_model.bin")))) if not found]
+    if missing:
+        raise FileNotFoundError(
+            f"the cached snapshot of {path} ({directory}) has no {' and no '.join(missing)}: "
+            "download it again online (unset HF_HUB_OFFLINE), or it holds another format "
+            "gptmini does not read (a GGUF file: name it, org/name/file.gguf)")
+    return directory
+
+
+def _from_hub(path: str | Path, repo: str, revision: str | None, fetch) -> Path:
+    """`fetch(offline)`'s path in huggingface_hub's cache, its failures named with their fix."""
+    from huggingface_hub import constants, errors
 
     login = ("log in first: `hf auth login`, or set HF_TOKEN to a token of an account that "
              "may read it")
     try:
-        directory = Path(snapshot_download(repo, revision=revision or None,
-                                           allow_patterns=HUB_FILES,
-                                           local_files_only=constants.HF_HUB_OFFLINE))
+        return Path(fetch(constants.HF_HUB_OFFLINE))
     except errors.GatedRepoError:
         raise ValueError(f"{repo} is gated on the Hugging Face Hub: accept its terms on "
                          f"https://huggingface.co/{repo}, then {login}") from None
@@ -88,18 +119,9 @@ def local_checkpoint(path: str | Path) -> Path:
             f"{path} is neither a file here nor in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}), and {why}: download it once online (unset "
             f"HF_HUB_OFFLINE), or pass a local .ckpt or model directory") from None
-    missing = [name for name, found in (
-        ("config.json", (directory / "config.json").is_file()),
-        ("weights (model.safetensors, its index, or pytorch_model.bin)",
-         any((directory / f).is_file() for f in ("model.safetensors",
-                                                   "model.safetensors.index.json",
-                                                   "pytorch_model.bin")))) if not found]
-    if missing:
-        raise FileNotFoundError(
-            f"the cached snapshot of {path} ({directory}) has no {' and no '.join(missing)}: "
-            "download it again online (unset HF_HUB_OFFLINE), or it holds another format "
-            "gptmini does not read")
-    return directory
+    except errors.EntryNotFoundError:  # (after its offline kind, LocalEntryNotFoundError)
+        raise ValueError(f"{repo} has no file {Path(str(path)).name!r} on the Hub: name one "
+                         f"it lists on https://huggingface.co/{repo}/tree/main") from None
 
 
 def export_layout(model: GPTModel) -> str:

@@ -241,6 +241,30 @@ def test_a_run_fine_tunes_from_a_gguf_file_and_evaluate_py_scores_it(tmp_path, c
     assert "bits per byte" in capsys.readouterr().out
 
 
+def test_a_gguf_file_of_a_hub_repository_loads_from_the_cache(tmp_path, monkeypatch, capsys):
+    """org/name/file.gguf (and org/name@revision/file.gguf): the file in huggingface_hub's
+    cache, read offline; a file the repository lacks is named."""
+    hub = pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny-GGUF"
+    path = write_gguf(tmp_path / "m.gguf", hf_model("llama"), "llama", Q.Q8_0)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    path.rename(repo / "snapshots" / commit / "tiny-Q8_0.gguf")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    for name in ("org/tiny-GGUF/tiny-Q8_0.gguf", "org/tiny-GGUF@main/tiny-Q8_0.gguf"):
+        assert load_checkpoint(name).model.cfg.emb_dim == 256
+    assert generate_main(["--checkpoint", "org/tiny-GGUF/tiny-Q8_0.gguf", "--prompt", "The",
+                          "--max_new_tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("The")
+    with pytest.raises(FileNotFoundError, match="org/tiny-GGUF/tiny-Q4_K_M.gguf is neither a "
+                                                "file here nor in the Hugging Face cache"):
+        load_checkpoint("org/tiny-GGUF/tiny-Q4_K_M.gguf")
+
+
 def refused(tmp_path, **options) -> str:
     arch = options.pop("arch", "llama")
     path = write_gguf(tmp_path / "m.gguf", hf_model("llama"), arch, **options)
