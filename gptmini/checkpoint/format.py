@@ -56,6 +56,7 @@ __all__ = [
     "LoadedModel",
     "check_readable",
     "check_vocabulary",
+    "gguf_template",
     "load_checkpoint",
     "load_on_device",
     "model_config",
@@ -63,7 +64,6 @@ __all__ = [
     "read_checkpoint",
     "run_data_settings",
     "tokenizer_entry",
-    "gguf_template",
     "training_steps",
     "upgrade_fields",
     "write_model_entries",
@@ -234,8 +234,7 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
     """The architecture and the tokenizer of a model source without reading its weights: a
     gptmini checkpoint (memory-mapped), a Hugging Face model directory (its config.json and
     tokenizer.json), a GGUF file (its metadata) or a model's name on the Hub
-    (`local_checkpoint`). What
-    `--model.init_from` starts from.
+    (`local_checkpoint`). What `--model.init_from` starts from.
 
     Raises:
         FileNotFoundError: nothing at `path`, or a directory without config.json.

@@ -349,6 +349,11 @@ class TaskScores(Callback):
         self.tasks = [read_task(source, spec, limit) for spec in tasks]
         self.benchmarks = [task.name for task in self.tasks]  # the report's line
 
+    def setup(self, trainer: Trainer, pl_module: GPTLitModule, stage: str):
+        if not pl_module.task.generates_text:
+            raise ValueError("--eval_tasks scores a language model's next tokens; this run "
+                             "trains a classifier (its head scores classes): drop --eval_tasks")
+
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: GPTLitModule):
         from gptmini.analysis.tasks import aggregate, score_task
 
@@ -359,9 +364,9 @@ class TaskScores(Callback):
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             scores = [score_task(pl_module.model, pl_module.tokenizer, task, progress=False)
                       for task in self.tasks]
-        for score in scores:
-            pl_module.log(f"val/{score.task.name}", score.primary)
-        pl_module.log("val/tasks", aggregate(scores))
+        for score in scores:  # (alike on every rank: the mean over them is each one's)
+            pl_module.log(f"val/{score.task.name}", score.primary, sync_dist=True)
+        pl_module.log("val/tasks", aggregate(scores), sync_dist=True)
 
 
 class AttentionMapCallback(EveryNSteps):

@@ -227,6 +227,16 @@ def test_a_run_scores_its_tasks_at_each_validation(folder, tmp_path, corpus, cap
         (tmp_path / "again" / "runs").rglob("*.ckpt"))
 
 
+def test_a_classifier_run_is_refused_its_eval_tasks(folder):
+    from types import SimpleNamespace
+
+    from gptmini.train.callbacks import TaskScores
+
+    with pytest.raises(ValueError, match="this run trains a classifier .*: drop --eval_tasks"):
+        TaskScores(["choose"], 3, str(folder)).setup(
+            None, SimpleNamespace(task=SimpleNamespace(generates_text=False)), "fit")
+
+
 @pytest.mark.slow
 def test_the_real_request_files_read_as_their_tasks(tmp_path_factory):
     """The wheel itself, where pip can fetch it (85 MB): each task's items as OLMES counts
