@@ -130,8 +130,12 @@ def _members(source: Path) -> dict[str, object]:
 
 def task_names(source: Path) -> dict[str, list[str]]:
     """Each task with log-likelihood requests, and its regimes."""
+    return _regimes(_members(source))
+
+
+def _regimes(members: dict[str, object]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for name in _members(source):
+    for name in members:
         match = re.fullmatch(r"([^/]+)/([^/]+)/requests\.jsonl\.gz", name)
         if match:
             found.setdefault(match[1], []).append(match[2])
@@ -148,7 +152,7 @@ def read_task(source: Path, spec: str, limit: int | None = None) -> Task:
     """
     name, _, regime = spec.partition(":")
     members = _members(source)
-    regimes = task_names(source)
+    regimes = _regimes(members)
     if name not in regimes:
         raise ValueError(f"no task {name!r} in {source}: it has {', '.join(regimes)}")
     regime = regime or ("rc_0shot" if "rc_0shot" in regimes[name] else regimes[name][0])
@@ -238,6 +242,15 @@ def _lse(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32)).logsumexp(-1)
 
 
+def _per_item(scored: list, items: list[Pairs]) -> list[list]:
+    """The choices' scores, in the items' order, cut back into one list per item."""
+    out, at = [], 0
+    for pairs in items:
+        out.append(scored[at:at + len(pairs)])
+        at += len(pairs)
+    return out
+
+
 @torch.no_grad()
 def _items_shared(model: nn.Module, items: list[Pairs]) -> list[list[tuple[float, bool]]]:
     """Each choice's (summed log-likelihood, greedy) for items whose choices share their
@@ -272,11 +285,7 @@ def _items_shared(model: nn.Module, items: list[Pairs]) -> list[list[tuple[float
                 logits = torch.cat([logits, rest[g, :len(x) - 1]])
                 lse = torch.cat([lse, rest_lse[g, :len(x) - 1]])
             scored[r] = _scored(logits, lse, x)
-    out, at = [], 0
-    for pairs in items:
-        out.append(scored[at:at + len(pairs)])
-        at += len(pairs)
-    return out
+    return _per_item(scored, items)
 
 
 @torch.no_grad()
@@ -286,19 +295,15 @@ def _items_whole(model: nn.Module, items: list[Pairs]) -> list[list[tuple[float,
     context keeps its last tokens."""
     device = next(model.parameters()).device
     keep = model.cfg.context_length + 1
-    rows = [(context + x)[-keep:] for pairs in items for context, x in pairs]
-    lengths = [min(len(x), len(row) - 1)
-               for (_, x), row in zip([p for pairs in items for p in pairs], rows, strict=True)]
+    flat = [pair for pairs in items for pair in pairs]
+    rows = [(context + x)[-keep:] for context, x in flat]
+    lengths = [min(len(x), len(row) - 1) for (_, x), row in zip(flat, rows, strict=True)]
     inputs, mask = _left_padded([row[:-1] for row in rows], device)
     logits = model(inputs, attention_mask=mask, logits_to_keep=max(lengths))
     lse, kept = _lse(logits), logits.shape[1]
     scored = [_scored(logits[r, kept - n:], lse[r, kept - n:], row[-n:])
               for r, (row, n) in enumerate(zip(rows, lengths, strict=True))]
-    out, at = [], 0
-    for pairs in items:
-        out.append(scored[at:at + len(pairs)])
-        at += len(pairs)
-    return out
+    return _per_item(scored, items)
 
 
 def score_task(model: nn.Module, tokenizer: Encoding, task: Task, *, shared: bool = True,

@@ -7,7 +7,7 @@ from gptmini.checkpoint.format import (
     MODEL_PREFIX,
     LoadedModel,
     check_readable,
-    gguf_template,
+    gguf_source,
     load_checkpoint,
     load_on_device,
     model_config,
@@ -21,7 +21,7 @@ from gptmini.checkpoint.format import (
 from gptmini.checkpoint.sharded import consolidate, is_sharded
 
 __all__ = ["CONFIG_FIELDS", "MODEL_PREFIX", "LoadedModel", "check_readable", "consolidate",
-           "gguf_template", "is_sharded", "load_checkpoint",
+           "gguf_source", "is_sharded", "load_checkpoint",
            "load_on_device", "model_config", "model_source", "read_checkpoint",
            "run_data_settings", "tokenizer_entry",
            "training_steps", "write_model_entries"]

@@ -56,7 +56,7 @@ __all__ = [
     "LoadedModel",
     "check_readable",
     "check_vocabulary",
-    "gguf_template",
+    "gguf_source",
     "load_checkpoint",
     "load_on_device",
     "model_config",
@@ -251,9 +251,7 @@ def model_source(path: str | Path) -> tuple[GPTConfig, tiktoken.Encoding]:
         tokenizer = _hf_directory_tokenizer(path, not is_llama_architecture(cfg))
         return cfg.fit_vocab(tokenizer.n_vocab), tokenizer
     if is_gguf(path):
-        contents = read_gguf(path, weights=False)
-        cfg = config_of(contents.hf_config, path)
-        return cfg.fit_vocab(contents.tokenizer.n_vocab), contents.tokenizer
+        return gguf_source(path)[:2]
     ckpt = read_checkpoint(path, "cpu", mmap=True, weights=False)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("hyper_parameters"), dict):
         raise ValueError(f"{path} is not a gptmini checkpoint (what train.py saves)")
@@ -287,13 +285,22 @@ def _load_gguf(path: Path, map_location: str | torch.device) -> LoadedModel:
     model = model_of(contents.hf_config, contents.state, path)
     model.cfg = model.cfg.fit_vocab(contents.tokenizer.n_vocab)
     hparams = {**model.cfg.to_dict(), "tokenizer": "gpt2"}
-    template = gguf_template(path, contents)
+    template = _gguf_template(path, contents)
     if template is not None:
         hparams["chat_template"] = template.to_dict()
     return LoadedModel(model.to(map_location).eval(), contents.tokenizer, hparams)
 
 
-def gguf_template(path: Path, contents: GgufContents) -> ChatTemplate | None:
+def gguf_source(path: Path) -> tuple[GPTConfig, tiktoken.Encoding, ChatTemplate | None]:
+    """A GGUF file's architecture, vocabulary and chat template from one reading of its
+    metadata (opening the file parses every field: seconds for a real model)."""
+    contents = read_gguf(path, weights=False)
+    cfg = config_of(contents.hf_config, path)
+    return (cfg.fit_vocab(contents.tokenizer.n_vocab), contents.tokenizer,
+            _gguf_template(path, contents))
+
+
+def _gguf_template(path: Path, contents: GgufContents) -> ChatTemplate | None:
     """A GGUF file's chat template (`tokenizer.chat_template`), ending at its eos token."""
     return settings_template(path.stem, contents.tokenizer_config, [], contents.tokenizer,
                              path)

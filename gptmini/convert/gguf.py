@@ -206,7 +206,7 @@ def _state(tensors: list, family: Family, c: dict) -> dict[str, Tensor]:
     """The tensors, dequantized to float32, under Hugging Face's names."""
     from gguf import dequantize
 
-    state, problems = {}, []
+    state, problems, unread = {}, [], False
     for tensor in tensors:
         match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)", tensor.name)
         if tensor.name == "rope_freqs.weight":  # read as the config's rope scaling
@@ -217,20 +217,21 @@ def _state(tensors: list, family: Family, c: dict) -> dict[str, Tensor]:
             continue
         if tensor.tensor_type.name not in READABLE:
             problems.append(f"tensor {tensor.name!r} is {tensor.tensor_type.name}")
+            unread = True
             continue
         layer, part, kind = match.groups()
         name = family.names[part]
         name = name if layer is None else f"model.layers.{layer}.{name}"
         weight = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)
         if family.permuted and part in ("attn_q", "attn_k"):
-            heads = c["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+            heads = (c["num_attention_heads"] if part == "attn_q"
+                     else c.get("num_key_value_heads", c["num_attention_heads"]))
             weight = _halves(weight, heads)
         if family.norm_offset and part.endswith("norm"):
             weight = weight - family.norm_offset
         state[f"{name}.{kind}"] = torch.from_numpy(weight)
     if problems:
-        types = [p for p in problems if "layout" not in p]
-        if types:
+        if unread:
             problems.append(f"gptmini reads {', '.join(READABLE)}: quantize the model again "
                             "to one of them (llama-quantize ... Q4_K_M)")
         raise ValueError("; ".join(problems[:4] + problems[-1:] if len(problems) > 5

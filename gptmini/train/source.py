@@ -14,7 +14,7 @@ import tiktoken
 from gptmini.chat import ChatTemplate, directory_template
 from gptmini.checkpoint import (
     CONFIG_FIELDS,
-    gguf_template,
+    gguf_source,
     is_sharded,
     load_checkpoint,
     model_config,
@@ -22,7 +22,7 @@ from gptmini.checkpoint import (
     read_checkpoint,
 )
 from gptmini.convert import local_checkpoint
-from gptmini.convert.gguf import is_gguf, read_gguf
+from gptmini.convert.gguf import is_gguf
 from gptmini.finetune import base_fingerprint, grow_vocab
 from gptmini.model import GPTConfig, GPTModel
 
@@ -58,13 +58,12 @@ class Source:
         Raises:
             FileNotFoundError: nothing there. ValueError: not a model gptmini reads.
         """
-        config, tokenizer = model_source(path)
         local = local_checkpoint(path)  # (a Hub name's cached directory)
+        if is_gguf(local):  # its metadata read once
+            return cls(str(path), *gguf_source(local))
+        config, tokenizer = model_source(path)
         if local.is_dir() and not is_sharded(local):  # a Hugging Face directory
             return cls(str(path), config, tokenizer, directory_template(local, tokenizer))
-        if is_gguf(local):
-            return cls(str(path), config, tokenizer, gguf_template(local, read_gguf(local,
-                                                                              weights=False)))
         checkpoint = read_checkpoint(path, "cpu", mmap=True, weights=False)
         entry = checkpoint.get("chat_template")
         classes = checkpoint["hyper_parameters"].get("classes")
