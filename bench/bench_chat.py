@@ -28,7 +28,7 @@ from gptmini.chat import BOOK
 from gptmini.data import resolve_source
 from gptmini.data.chat import PackedExamples, PaddedExamples, read_records, render_records
 from gptmini.data.vocab import fit_tokenizer
-from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights, lm_loss
 from gptmini.runtime import auto_precision
 from gptmini.tokenizer import load_tokenizer
 
@@ -52,8 +52,8 @@ def useful_tokens_per_second(model, loader, steps: int, bf16: bool) -> tuple[flo
             batch = next(batches)
         inputs, targets, *documents = batch
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            loss = model(inputs, targets=targets,
-                         document_ids=documents[0] if documents else None)
+            loss = lm_loss(model, inputs, targets,
+                           document_ids=documents[0] if documents else None)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

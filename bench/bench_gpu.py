@@ -21,7 +21,7 @@ from machine import cpu_name  # bench/machine.py (the script's own folder)
 from torch.utils.data import DataLoader, Dataset
 
 from gptmini.generate.loop import generate
-from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights, lm_loss
 from gptmini.model.flops import flops_per_token, num_parameters
 from gptmini.runtime import peak_flops_of
 from gptmini.train.module import GPTLitModule
@@ -63,8 +63,7 @@ def plain_loop(shape: dict, batch: int, steps: int, warmup: int, device, compile
     """Tokens/s and peak bytes of a plain loop: bf16 autocast, fused AdamW, clipping."""
     torch.manual_seed(0)
     model = init_gpt2_weights(GPTModel(GPTConfig(**shape))).to(device).train()
-    if compile:
-        model = torch.compile(model)
+    loss_fn = torch.compile(lm_loss) if compile else lm_loss  # the pass, head and loss fused
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -81,7 +80,7 @@ def plain_loop(shape: dict, batch: int, steps: int, warmup: int, device, compile
             start = time.perf_counter()
         inputs, targets = (t.to(device, non_blocking=True) for t in next(data))
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(inputs, targets=targets)
+            loss = loss_fn(model, inputs, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

@@ -31,7 +31,12 @@ from machine import cpu_description  # noqa: E402  (bench/machine.py, this folde
 from torch import nn  # noqa: E402
 
 from gptmini.attention.norm import RMSNorm  # noqa: E402
-from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights  # noqa: E402
+from gptmini.model import (  # noqa: E402
+    GPTConfig,
+    GPTModel,
+    init_gpt2_weights,
+    lm_loss,  # noqa: E402
+)
 from gptmini.runtime import auto_precision  # noqa: E402
 
 NORMS = {
@@ -82,7 +87,7 @@ def model_step(norm: str, inputs: torch.Tensor, bf16: bool):
 
     def call():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(inputs, targets=inputs)
+            loss = lm_loss(model, inputs, inputs)
         loss.backward()
     return call
 

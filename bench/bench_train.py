@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import Callback
 from machine import cpu_description  # bench/machine.py (the script's own folder)
 
-from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights
+from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights, lm_loss
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import cpu_has_bf16, measure_matmul_flops
 from gptmini.train.command import build_cli, fit, keep_freed_memory
@@ -131,7 +131,7 @@ def plain_tokens_per_sec(steps: int, warmup: int, loader, context: int, precisio
             start = time.perf_counter()
         inputs, targets = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = model(inputs, targets=targets)
+            loss = lm_loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

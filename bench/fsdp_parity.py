@@ -331,7 +331,7 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def bytes_after_a_step(shape: str, optimizer: str, mesh=None) -> int:
     """`held_bytes` after one optimizer step of the `shape` model, sharded over `mesh`
     (FSDP2, as --trainer.strategy fsdp2 shards) or whole."""
-    from gptmini.model import GPTModel
+    from gptmini.model import GPTModel, lm_loss
     from gptmini.train.optim import make_optimizer
     from gptmini.train.sharding import shard_model
 
@@ -343,7 +343,7 @@ def bytes_after_a_step(shape: str, optimizer: str, mesh=None) -> int:
     opt = make_optimizer(model, optimizer, learning_rate=1e-3, muon_learning_rate=1e-3,
                          weight_decay=0.1, betas=(0.9, 0.95), device=torch.device("cpu"))
     batch = torch.randint(0, cfg.vocab_size, (1, 9))
-    model(batch[:, :-1], targets=batch[:, 1:]).backward()
+    lm_loss(model, batch[:, :-1], batch[:, 1:]).backward()
     opt.step()
     return held_bytes(model, opt)
 

@@ -24,7 +24,12 @@ sleep_when_idle()  # before torch loads OpenMP: a shared CPU keeps its fair shar
 import torch  # noqa: E402
 from machine import cpu_description  # noqa: E402  (bench/machine.py, this folder's)
 
-from gptmini.model import GPTConfig, GPTModel, init_gpt2_weights  # noqa: E402
+from gptmini.model import (  # noqa: E402
+    GPTConfig,
+    GPTModel,
+    init_gpt2_weights,
+    lm_loss,  # noqa: E402
+)
 
 DEFAULT = {"vocab_size": 4096, "context_length": 128, "emb_dim": 256, "n_heads": 4,
            "n_layers": 4, "drop_rate": 0.0, "tie_weights": True, "position": "rope",
@@ -65,7 +70,7 @@ def step_ms(models: dict, reps: int) -> dict[str, float]:
     for rep in range(reps + 1):
         for name, model in models.items():
             start = time.perf_counter()
-            model(idx, targets=idx).backward()
+            lm_loss(model, idx, idx).backward()
             if rep:  # the first is warm-up
                 times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}

@@ -56,7 +56,11 @@ from gptmini.analysis.stats import welch_t_test  # noqa: E402
 from gptmini.attention.norm import RMSNorm  # noqa: E402
 from gptmini.data import Corpus, GPTDataModule, Windows  # noqa: E402
 from gptmini.data.vocab import parse_bpe  # noqa: E402
-from gptmini.model import GPTConfig, GPTModel  # noqa: E402
+from gptmini.model import (  # noqa: E402
+    GPTConfig,
+    GPTModel,
+    lm_loss,  # noqa: E402
+)
 from gptmini.runtime import auto_precision  # noqa: E402
 from gptmini.tokenizer import load_tokenizer  # noqa: E402
 from gptmini.train.optim import make_optimizer, muon_adamw  # noqa: E402
@@ -141,7 +145,8 @@ PARTS = ("forward", "backward", "clip", "optimizer", "loop")
 
 
 def build(settings: dict, seed: int, vocab_size: int):
-    """(model, optimizer) of a recipe, with its levers: torch's norms or Muon, compiled."""
+    """(model, optimizer, loss function) of a recipe, with its levers: torch's norms or Muon,
+    compiled (the loss function: `lm_loss`, compiled with the pass as --model.compile does)."""
     torch.manual_seed(seed)
     model = GPTModel(GPTConfig(vocab_size=vocab_size, **settings["model"])).train()
     if settings["torch_norms"]:  # torch's nn.RMSNorm in place of gptmini's (same weights)
@@ -166,8 +171,8 @@ def build(settings: dict, seed: int, vocab_size: int):
         # the batch dynamic once a second recipe's shape is seen, and fall back to eager
         # after 8 models. Inductor's cache on disk still serves a graph compiled before.
         torch._dynamo.reset()
-        model.compile()  # in place, as --model.compile: compiles at the first steps
-    return model, optimizer
+        return model, optimizer, torch.compile(lm_loss)  # as --model.compile: at first steps
+    return model, optimizer, lm_loss
 
 
 def train(settings: dict, seed: int, budget: float, points: int, enc, windows, val_tokens,
@@ -176,7 +181,7 @@ def train(settings: dict, seed: int, budget: float, points: int, enc, windows, v
     {"curve": [(seconds, bpb)], "steps", "tokens_per_sec", "parts_ms" (median ms per step of
     each of PARTS), "first_step_s", "validation_s"}."""
     # One loop with its clock and its parts; long for that, and a reader sees it whole.
-    model, optimizer = build(settings, seed, enc.n_vocab)
+    model, optimizer, loss_fn = build(settings, seed, enc.n_vocab)
     bases = [group["lr"] for group in optimizer.param_groups]
     batch, warmup = settings["batch_size"], settings["warmup_steps"]
     floor = settings["min_lr_ratio"]
@@ -203,7 +208,7 @@ def train(settings: dict, seed: int, budget: float, points: int, enc, windows, v
                 *(windows[int(i)] for i in order[first:first + batch]), strict=True))
             marks = [time.perf_counter()]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss = model(inputs, targets=targets)
+                loss = loss_fn(model, inputs, targets)
             marks.append(time.perf_counter())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -243,7 +248,7 @@ def step_cost(enc, windows_for, precision: str, recipes: list[str], overrides: d
     print(f"step cost (median of {steps} steps; ms):")
     for name in recipes:
         settings = recipe_settings(name, overrides)
-        model, optimizer = build(settings, 0, enc.n_vocab)
+        model, optimizer, loss_fn = build(settings, 0, enc.n_vocab)
         windows = windows_for(settings)
         batch, whole, alone = settings["batch_size"], [], []
         for step in range(steps + warmup):
@@ -251,7 +256,7 @@ def step_cost(enc, windows_for, precision: str, recipes: list[str], overrides: d
             inputs, targets = (torch.stack(t) for t in zip(*rows, strict=True))
             start = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss = model(inputs, targets=targets)
+                loss = loss_fn(model, inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gptmini.runtime as precision
+from gptmini.model import lm_loss
 from gptmini.runtime import auto_dtype, auto_precision, cpu_has_bf16, peak_flops_of
 
 CPUINFO = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx2 {extra}\nbugs\t\t: none\n"
@@ -105,5 +106,5 @@ def test_a_compiled_run_without_a_compiler_warns_and_trains_eagerly(monkeypatch,
     with pytest.warns(UserWarning, match="no compiler.*training eagerly"):
         module.configure_model()
     batch = torch.randint(0, 257, (2, 9))
-    loss = module.model(batch[:, :-1], targets=batch[:, 1:])  # eager: no C++ is built
+    loss = lm_loss(module.model, batch[:, :-1], batch[:, 1:])  # eager: no C++ is built
     assert torch.isfinite(loss)

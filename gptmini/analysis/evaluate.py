@@ -52,6 +52,7 @@ from gptmini.data.chat import read_chat_records, render_records, split_records
 from gptmini.data.labels import LabeledDataset, LabeledRecords, pad_batch, read_records
 from gptmini.data.settings import from_record
 from gptmini.finetune import accuracy_and_confusion, class_logits
+from gptmini.model import lm_loss
 from gptmini.tokenizer import save_tokenizer, token_byte_lengths
 
 
@@ -120,8 +121,8 @@ def score_text(model: nn.Module, tokenizer: Encoding, tokens: np.ndarray, *,
     for batch in tqdm(batches, total=total, desc="scoring", unit="batch", file=sys.stderr,
                       disable=not progress):
         inputs, targets, *documents = (t.to(device) for t in batch)
-        loss = model(inputs, targets=targets, reduction="none",
-                     document_ids=documents[0] if documents else None).double()
+        loss = lm_loss(model, inputs, targets, "none",
+                       document_ids=documents[0] if documents else None).double()
         counted = byte_lengths[targets]
         nats = nats + loss.sum()
         text_nats = text_nats + (loss * (counted > 0)).sum()
@@ -171,7 +172,7 @@ def score_responses(model: nn.Module, tokenizer: Encoding, template: ChatTemplat
                               device=device)
         targets = torch.tensor([e.targets + [-100] * (width - len(e.targets)) for e in part],
                                device=device)
-        loss = model(inputs, targets=targets, reduction="none").double()  # 0 at -100
+        loss = lm_loss(model, inputs, targets, "none").double()  # 0 at -100
         counted = targets != -100
         text = byte_lengths[targets.clamp(min=0)] * counted
         nats = nats + loss.sum()
@@ -213,7 +214,7 @@ def choice_logliks(model: nn.Module, tokenizer: Encoding, context: str,
     width = max(len(inputs) for inputs, _ in rows)
     inputs = torch.tensor([x + [0] * (width - len(x)) for x, _ in rows], device=device)
     targets = torch.tensor([y + [-100] * (width - len(y)) for _, y in rows], device=device)
-    nats = model(inputs, targets=targets, reduction="none")  # right padding: causal, unseen
+    nats = lm_loss(model, inputs, targets, "none")  # right padding: causal, unseen
     return (-nats.double().sum(dim=1)).tolist()
 
 

@@ -67,11 +67,11 @@ def head_roles(model: nn.Module, *, period: int | None = None, batch: int = 4,
                seed: int = 0, first_token: int | None = None) -> HeadRoles:
     """Score every head of `model` on `batch` random sequences repeated twice.
 
-    The model runs once, in eval mode, on the explicit attention path (`return_weights`);
+    The model runs once, in eval mode, on the explicit attention path (`attention_weights`);
     its mode is restored afterwards and the global random state is not touched.
 
     Args:
-        model: a `GPTModel` (anything with `.cfg` and `forward(..., return_weights=True)`).
+        model: a `GPTModel` (anything with `.cfg` and `attention_weights`).
         period: length of the random sequence; None: 50, or less to fit the context
             (`(context_length - 1) // 2`).
         batch: random sequences averaged over.
@@ -97,7 +97,7 @@ def head_roles(model: nn.Module, *, period: int | None = None, batch: int = 4,
     model.eval()
     try:
         device = next(model.parameters()).device
-        _, weights = model(idx.to(device), return_weights=True)
+        weights = model.attention_weights(idx.to(device))
     finally:
         model.train(was_training)
     # (n_layers, batch, n_heads, num_tokens, num_tokens), averaged over the batch

@@ -70,7 +70,8 @@ def inspect_text(model: nn.Module, ids: list[int], *, top: int = 10) -> TextInsp
     try:
         device = next(model.parameters()).device
         idx = torch.tensor([ids], device=device)  # (1, num_tokens)
-        logits, weights = model(idx, return_weights=True)
+        weights = []  # one pass gives both: the weights, and the logits of its last states
+        logits = model.logits(model.hidden_states(idx, weights=weights))
         allowed = _allowed(model, len(ids), device)
     finally:
         model.train(was_training)

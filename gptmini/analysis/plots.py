@@ -1,6 +1,6 @@
 """Pictures of what a model attends to: attention heatmaps (a run's curves: curves.py).
 
-The attention weights come from `GPTModel.forward(..., return_weights=True)`, which runs the
+The attention weights come from `GPTModel.attention_weights`, which runs the
 attention module's explicit path: they are the weights the output was computed from, with
 the causal zeros above the diagonal, the zeros outside a sliding window and the zero rows
 and columns of left padding all in place.
@@ -96,7 +96,7 @@ def attention_weights(
     mode is restored afterwards and no random numbers are drawn.
 
     Args:
-        model: a `GPTModel` (anything with `.cfg` and `forward(..., return_weights=True)`).
+        model: a `GPTModel` (anything with `.cfg` and `attention_weights`).
         tokenizer: the model's tiktoken encoding.
         prompt: text to look at; special tokens such as <|endoftext|> are allowed, and an
             empty prompt becomes <|endoftext|> alone.
@@ -134,7 +134,7 @@ def attention_weights(
     model.eval()
     try:
         with torch.no_grad():
-            _, weights = model(idx, mask, return_weights=True)
+            weights = model.attention_weights(idx, mask)
     finally:
         model.train(was_training)
     labels = [PAD_LABEL] * left_pad + token_labels(tokenizer, ids)

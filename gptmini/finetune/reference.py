@@ -19,24 +19,27 @@ import torch
 from torch import Tensor, nn
 
 from gptmini.finetune.lora import adapters_off, lora_layers
+from gptmini.model import lm_loss
 
 
 def sequence_log_probs(model: nn.Module, inputs: Tensor, targets: Tensor, *,
-                       average: bool = False, loss_chunk_size: int | None = None) -> Tensor:
+                       average: bool = False, loss_chunk_size: int | None = None,
+                       loss_fn=lm_loss) -> Tensor:
     """Each row's log-probability of its targets (the positions that are not -100).
 
     Args:
-        model: a GPTModel (its forward with targets and reduction="none" gives the nats).
+        model: a GPTModel (`lm_loss` with reduction="none" gives the nats).
         inputs: (b, num_tokens) token ids.
         targets: (b, num_tokens) the next tokens, -100 where they do not count.
         average: per counted token (the book's DPO) instead of the sum (the paper's).
-        loss_chunk_size: see GPTModel.forward.
+        loss_chunk_size: lm_loss's chunk_size.
+        loss_fn: `lm_loss`, or the task's compiled one (Task.compile).
 
     Returns:
         (b,) float32 log-probabilities (sums, or means with `average`).
     """
-    nats = model(inputs, targets=targets, reduction="none",
-                 loss_chunk_size=loss_chunk_size)  # (b, num_tokens), 0 where -100
+    nats = loss_fn(model, inputs, targets, "none",
+                   chunk_size=loss_chunk_size)  # (b, num_tokens), 0 where -100
     total = -nats.sum(-1)
     if not average:
         return total
@@ -44,9 +47,10 @@ def sequence_log_probs(model: nn.Module, inputs: Tensor, targets: Tensor, *,
 
 
 def token_log_probs(model: nn.Module, inputs: Tensor, targets: Tensor, *,
-                    loss_chunk_size: int | None = None) -> Tensor:
-    """(b, num_tokens) the log-probability of each target (0 where it is -100), float32."""
-    return -model(inputs, targets=targets, reduction="none", loss_chunk_size=loss_chunk_size)
+                    loss_chunk_size: int | None = None, loss_fn=lm_loss) -> Tensor:
+    """(b, num_tokens) the log-probability of each target (0 where it is -100), float32;
+    the rest as `sequence_log_probs`."""
+    return -loss_fn(model, inputs, targets, "none", chunk_size=loss_chunk_size)
 
 
 class Reference:

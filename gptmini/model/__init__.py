@@ -1,7 +1,7 @@
 """The model: `GPTConfig` (which checks itself) and its presets (config.py), the tables of
 what a layer is made of, its token mixer (mixers.py) and its feed-forward (feedforward.py),
-the transformer blocks and `GPTModel` (gpt.py), and what a model costs in parameters and
-FLOPs (flops.py).
+the transformer blocks, `GPTModel` and its loss (gpt.py), and what a model costs in
+parameters and FLOPs (flops.py).
 
 Imports only torch, so `GPTModel` can be lifted into any training loop.
 """
@@ -24,10 +24,11 @@ from gptmini.model.gpt import (
     add_aux_loss,
     cross_entropy,
     init_gpt2_weights,
+    lm_loss,
 )
 from gptmini.model.mixers import TokenMixer
 
 __all__ = ["GPT_CONFIG_124M", "MIXERS", "MLPS", "NORMS", "PRESETS", "ConfigError",
            "FeedForwardKind", "GPTConfig", "GPTModel", "TokenMixer", "TransformerBlock",
-           "add_aux_loss", "cross_entropy", "init_gpt2_weights", "is_finite_number",
+           "add_aux_loss", "cross_entropy", "init_gpt2_weights", "lm_loss", "is_finite_number",
            "window_pattern"]

@@ -21,15 +21,8 @@ from gptmini.model.config import GPTConfig
 from gptmini.model.feedforward import FeedForwardKind
 from gptmini.model.mixers import TokenMixer
 
-__all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy", "init_gpt2_weights"]
-
-
-def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
-    """How a module whose `aux_loss` is True hands the model an auxiliary loss: `loss`, a scalar
-    weighted by its coefficient (or statistics its feed-forward's finish_aux_losses makes one),
-    summed under `name` over the layers into `aux_losses`; nothing when it is None (not asked)."""
-    if aux_losses is not None:
-        aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
+__all__ = ["GPTModel", "TransformerBlock", "add_aux_loss", "cross_entropy", "init_gpt2_weights",
+           "lm_loss"]
 
 
 class TransformerBlock(nn.Module):
@@ -83,9 +76,9 @@ class GPTModel(core.GPTModel):
     """The core's GPT (gptmini.core.model) built from the model's tables: each layer's token
     mixer and the feed-forward (gptmini.model.mixers, gptmini.model.feedforward), every
     position scheme and norm, a padded vocabulary, Gemma's embedding scale and logit
-    soft-cap; and a forward that also computes the loss, attention weights and auxiliary
-    losses. `GPTModel(cfg)` keeps PyTorch's initialisation (the book's);
-    `init_gpt2_weights(model)` draws GPT-2's, which a training run starts from."""
+    soft-cap; its pass before the head (`hidden_states`, which `lm_loss` below runs),
+    attention weights and auxiliary losses. `GPTModel(cfg)` keeps PyTorch's initialisation
+    (the book's); `init_gpt2_weights(model)` draws GPT-2's, which a training run starts from."""
 
     config_class = GPTConfig
     context_class = AttentionContext
@@ -118,108 +111,86 @@ class GPTModel(core.GPTModel):
                 for weight in (*mixer.residual_weights(block.att),
                                *self.feed_forward.residual_weights(block.ff))]
 
-    # Long by its docstring only (every argument of the model's one entry point); the body
-    # is the pass: its context, the embeddings, the blocks, the head.
     def forward(
         self,
         in_idx: Tensor,
         attention_mask: Tensor | None = None,
         *,
-        targets: Tensor | None = None,
-        reduction: str = "mean",
-        loss_chunk_size: int | None = None,
         logits_to_keep: int | Tensor | None = None,
         kv_caches: list[BaseKVCache] | None = None,
-        return_weights: bool = False,
         document_ids: Tensor | None = None,
         context: AttentionContext | None = None,
-        return_parts: bool = False,
-    ) -> Tensor | tuple[Tensor, list[Tensor]] | tuple[Tensor, dict[str, Tensor]]:
-        """Next-token logits for every position, or the loss against `targets`.
+        aux_losses: dict[str, Tensor] | None = None,
+    ) -> Tensor:
+        """Next-token logits (b, num_tokens or logits_to_keep, vocab_size), in the model's
+        dtype. The loss is `lm_loss`'s (below); attention weights are `attention_weights`'.
 
         Args:
             in_idx: (b, num_tokens) token ids.
             attention_mask: optional (b, num_keys) mask, 1 at real tokens and 0 at padding,
                 covering cached tokens too. Positions count from each row's first real
                 token, so a left-padded prompt is embedded as it would be alone.
-            targets: (b, num_tokens) the next token at each position; -100 marks a position
-                that counts for nothing. With targets the cross-entropy is returned instead
-                of the logits, computed here so that `torch.compile` fuses the head, the
-                float32 upcast and the loss, with no full-vocabulary float32 copy of the
-                logits outside the graph.
-            reduction: with targets, "mean" over the counted positions, "sum", or "none"
-                for one loss per position (b, num_tokens), 0 where targets are -100.
-            loss_chunk_size: with targets, run the head and the loss on this many positions
-                at a time and recompute them in backward, so the full (b, num_tokens,
-                vocab_size) logits and their gradient never exist at once: measured on a
-                CPU, 8 x 1024 positions of GPT-2's vocabulary peaked at 1.3 GB instead of
-                5.3 GB, for 14% more time. None: all at once.
             logits_to_keep: compute the logits of the last this many positions only (the
                 head is the largest matmul of a small GPT; generation needs one position),
                 or of the positions a 1-d index tensor names (an engine step: each
                 sequence's last token).
             kv_caches: one KV cache per layer (`KVCache`, or the engine's paged views); new
                 keys and values are appended.
-            return_weights: also return each layer's attention weights
-                (b, n_heads, num_tokens, num_keys), from the explicit attention path.
             document_ids: (b, num_keys) the document of each token when several are packed
                 in one window: no token attends across a document's edge, and positions
                 count from each document's first token, as generation counts from a
                 prompt's (so a document looks the same wherever the window cut it).
-            context: the AttentionContext of this pass, if the caller built it (the engine
-                does, for a step); then attention_mask and document_ids are in it. None:
-                built here, once, for every layer.
-            return_parts: with targets, return (loss, parts): `parts` the auxiliary losses
-                the layers computed in this pass by name, each a scalar already weighted
-                by its coefficient (a mixture of experts' load balance; {} for a model
-                without any), and `loss` the language-modelling loss plus their sum (but
-                per position with reduction "none"). Without it, the LM loss alone.
-
-        Returns:
-            Logits (b, num_tokens or logits_to_keep, vocab_size), in the model's dtype, and
-            with `return_weights` the list of weights; or, with targets, the float32 loss
-            (and with `return_parts` its parts).
+            context: the pass's AttentionContext, if the caller built it (the engine does),
+                holding attention_mask and document_ids. None: built here, once.
+            aux_losses: a dict that receives the layers' auxiliary losses (hidden_states').
         """
-        context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
-        self._check_asked(targets, reduction, logits_to_keep, return_weights, return_parts)
-        x = self.embed(in_idx, context)  # (b, num_tokens, emb_dim)
-
-        all_weights = []
-        parts: dict[str, Tensor] | None = {} if return_parts else None  # the layers add theirs
-        for i, block in enumerate(self.trf_blocks):
-            cache = kv_caches[i] if kv_caches else None
-            x = block(x, context, cache, return_weights, parts)
-            if return_weights:
-                x, weights = x
-                all_weights.append(weights)
-        if targets is not None:
-            loss = (self._chunked_loss(x, targets, reduction, loss_chunk_size)
-                    if loss_chunk_size else cross_entropy(self.logits(x), targets, reduction))
-            parts = self.feed_forward.finish_aux_losses(parts) if return_parts else None
-            total = loss if reduction == "none" else loss + sum(parts.values() if parts else [])
-            return (total, parts) if return_parts else loss
+        x = self.hidden_states(in_idx, attention_mask, kv_caches=kv_caches,
+                               document_ids=document_ids, context=context,
+                               aux_losses=aux_losses)
         if isinstance(logits_to_keep, Tensor):
             x = x[:, logits_to_keep, :]  # (b, len(logits_to_keep), emb)
         elif logits_to_keep is not None:
             x = x[:, -logits_to_keep:, :]  # (b, logits_to_keep, emb)
-        logits = self.logits(x)  # (b, num_tokens, vocab_size)
-        return (logits, all_weights) if return_weights else logits
+        return self.logits(x)  # (b, num_tokens, vocab_size)
 
-    def _check_asked(self, targets: Tensor | None, reduction: str,
-                     logits_to_keep: int | Tensor | None, return_weights: bool,
-                     return_parts: bool) -> None:
-        """What forward was asked for fits together, and the layers can give it."""
-        if return_weights:
-            without = [i for i, mixer in enumerate(self.mixers) if not mixer.has_weights]
-            if without:
-                titles = " and ".join(dict.fromkeys(self.mixers[i].title for i in without))
-                raise ValueError(f"layers {without} are {titles} layers (cfg.layer_kinds): "
-                                 "they have no attention weights to return")
-        if targets is not None and (return_weights or logits_to_keep is not None):
-            raise ValueError("with targets forward returns the loss; pass targets alone, or "
-                             "ask for logits (logits_to_keep, return_weights) without them")
-        if return_parts and targets is None:
-            raise ValueError("return_parts returns the loss and its auxiliary parts: pass targets")
+    def hidden_states(
+        self,
+        in_idx: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        kv_caches: list[BaseKVCache] | None = None,
+        document_ids: Tensor | None = None,
+        context: AttentionContext | None = None,
+        aux_losses: dict[str, Tensor] | None = None,
+        weights: list[Tensor] | None = None,
+    ) -> Tensor:
+        """The last block's output (b, num_tokens, emb_dim): forward's pass without the head.
+        `aux_losses`, a dict, receives the layers' auxiliary losses (a mixture of experts'
+        load balance), each weighted by its coefficient; `weights`, a list, each layer's
+        attention weights (b, n_heads, num_tokens, num_keys), from the explicit path."""
+        context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
+        without = [i for i, mixer in enumerate(self.mixers) if not mixer.has_weights]
+        if weights is not None and without:
+            titles = " and ".join(dict.fromkeys(self.mixers[i].title for i in without))
+            raise ValueError(f"layers {without} are {titles} layers (cfg.layer_kinds): "
+                             "they have no attention weights to return")
+        x = self.embed(in_idx, context)  # (b, num_tokens, emb_dim)
+        for i, block in enumerate(self.trf_blocks):
+            x = block(x, context, kv_caches[i] if kv_caches else None, weights is not None,
+                      aux_losses)
+            if weights is not None:
+                x, layer_weights = x
+                weights.append(layer_weights)
+        if aux_losses is not None:
+            aux_losses.update(self.feed_forward.finish_aux_losses(aux_losses))
+        return x
+
+    def attention_weights(self, in_idx: Tensor, attention_mask: Tensor | None = None,
+                          **options) -> list[Tensor]:
+        """Each layer's attention weights for a pass over `in_idx` (see hidden_states)."""
+        weights = []
+        self.hidden_states(in_idx, attention_mask, weights=weights, **options)
+        return weights
 
     def _context(self, in_idx: Tensor, attention_mask: Tensor | None,
                  document_ids: Tensor | None, kv_caches: list[BaseKVCache] | None,
@@ -254,21 +225,6 @@ class GPTModel(core.GPTModel):
             logits = logits[..., : self.cfg.vocab_size]  # (..., vocab_size)
         return logits
 
-    def _chunked_loss(self, x: Tensor, targets: Tensor, reduction: str, chunk: int) -> Tensor:
-        def piece(rows: Tensor, row_targets: Tensor) -> Tensor:
-            return cross_entropy(self.logits(rows), row_targets, "none")  # (chunk,)
-
-        rows, flat = x.flatten(0, 1), targets.flatten()  # (b * num_tokens, emb), (b * num_tokens,)
-        losses = torch.cat([
-            checkpoint(piece, rows[i : i + chunk], flat[i : i + chunk], use_reentrant=False)
-            for i in range(0, len(flat), chunk)
-        ])
-        if reduction == "none":
-            return losses.view(targets.shape)
-        if reduction == "sum":
-            return losses.sum()
-        return losses.sum() / (flat != -100).sum()
-
     def new_kv_caches(self) -> list:
         """Empty caches, one per layer, for `forward(..., kv_caches=...)`, as each layer's
         mixer keeps them: a KVCache per attention layer (a windowed one's holds only its
@@ -277,14 +233,53 @@ class GPTModel(core.GPTModel):
                 for mixer, block in zip(self.mixers, self.trf_blocks, strict=True)]
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    """Next-token cross-entropy in float32 (or float64), whatever the logits' dtype.
+def lm_loss(model, inputs: Tensor, targets: Tensor, reduction: str = "mean", *,
+            chunk_size: int | None = None, document_ids: Tensor | None = None,
+            aux_losses: dict[str, Tensor] | None = None) -> Tensor:
+    """The next-token cross-entropy of `model` (a GPTModel) in float32: its logits, or in
+    chunks its last hidden states and the head. Compiled as one function (as the training
+    tasks do), inductor fuses the head, the float32 upcast and the cross-entropy, with no
+    float32 copy of the logits: 1.28x faster in bf16 than a compiled forward whose logits an
+    eager cross-entropy reads (`bench/bench_loss.py`, 2-core Xeon).
 
     Args:
-        logits: (b, num_tokens, vocab_size), or any (..., vocab_size).
-        targets: (b, num_tokens) (the logits' leading shape); -100 positions are ignored.
-        reduction: "mean", "sum" or "none" (per position, the targets' shape).
+        inputs: (b, num_tokens) token ids.
+        targets: (b, num_tokens) the next token at each position; -100 marks a position
+            that counts for nothing.
+        reduction: "mean" over the counted positions, "sum", or "none" for one loss per
+            position (b, num_tokens), 0 where targets are -100.
+        chunk_size: run the head and the loss on this many positions at a time and
+            recompute them in backward, so the full (b, num_tokens, vocab_size) logits and
+            their gradient never exist at once: measured on a CPU, 8 x 1024 positions of
+            GPT-2's vocabulary peaked at 1.3 GB instead of 5.3 GB, for 14% more time.
+            None: all at once.
+        document_ids: forward's, for documents packed in one window.
+        aux_losses: a dict that receives the layers' auxiliary losses by name (see
+            `add_aux_loss`); the loss returned is the language model's alone.
     """
+    if not chunk_size:  # through model(...): its hooks run (FSDP2 gathers its weights)
+        logits = model(inputs, document_ids=document_ids, aux_losses=aux_losses)
+        return cross_entropy(logits, targets, reduction)
+    # (an FSDP2 forward method: gptmini.train.sharding)
+    x = model.hidden_states(inputs, document_ids=document_ids, aux_losses=aux_losses)
+
+    def piece(rows: Tensor, row_targets: Tensor) -> Tensor:
+        return cross_entropy(model.logits(rows), row_targets, "none")  # (chunk,)
+
+    rows, flat = x.flatten(0, 1), targets.flatten()  # (b * num_tokens, emb), (b * num_tokens,)
+    losses = torch.cat([
+        checkpoint(piece, rows[i : i + chunk_size], flat[i : i + chunk_size],
+                   use_reentrant=False)
+        for i in range(0, len(flat), chunk_size)
+    ]).view(targets.shape)
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / (targets != -100).sum()
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross-entropy in float32 (or float64), whatever the logits' dtype: logits
+    (..., vocab_size) against targets of their leading shape, as `lm_loss`'s arguments."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 up, float64 stays
@@ -295,6 +290,14 @@ def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> T
         reduction=reduction,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
+
+
+def add_aux_loss(aux_losses: dict[str, Tensor] | None, name: str, loss: Tensor) -> None:
+    """How a module whose `aux_loss` is True hands the model an auxiliary loss: `loss`, a scalar
+    weighted by its coefficient (or statistics its feed-forward's finish_aux_losses makes one),
+    summed under `name` over the layers into `aux_losses`; nothing when it is None (not asked)."""
+    if aux_losses is not None:
+        aux_losses[name] = aux_losses[name] + loss if name in aux_losses else loss
 
 
 @torch.no_grad()

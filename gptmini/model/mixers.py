@@ -53,8 +53,8 @@ class TokenMixer:
     """Its cache may drop its oldest tokens (generation's slide='roll')."""
     aux_loss: ClassVar[bool] = False
     """Its module takes `aux_losses=`, this pass's auxiliary losses (None: nobody asked),
-    and adds its own, weighted, with gptmini.model.add_aux_loss; forward(...,
-    return_parts=True) returns them and adds them to the loss."""
+    and adds its own, weighted, with gptmini.model.add_aux_loss; `lm_loss(...,
+    aux_losses=parts)` hands them to the task, which adds them to the loss."""
     hf_layout: ClassVar[str | None] = None
     """The Hugging Face model_type a model of it exports as (gptmini.convert), or None: the
     frame's (GPT-2's or Llama's)."""

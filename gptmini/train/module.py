@@ -190,7 +190,7 @@ class GPTLitModule(L.LightningModule):
         """Compile the model in place (parameter names, hence checkpoints, do not change),
         where it can be compiled (`can_compile`)."""
         if self.can_compile():
-            self.model.compile()
+            self.task.compile(self.model)
             self.compiled = True
 
     def setup(self, stage: str):

@@ -36,7 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from gptmini.checkpoint import read_checkpoint
@@ -78,6 +83,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, compile: boo
     if model.out_head.weight is not model.tok_emb.weight:  # tied: one group must hold both
         fully_shard(model.tok_emb, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(model, "hidden_states")  # a chunked lm_loss's pass
 
 
 def is_sharded_run(model: nn.Module) -> bool:

@@ -30,7 +30,7 @@ def tokenizer():
 def test_weights_are_the_models_explicit_path_weights(model, tokenizer):
     ids = tokenizer.encode(PROMPT)
     idx = torch.tensor([ids])
-    _, per_layer = model(idx, return_weights=True)
+    per_layer = model.attention_weights(idx)
 
     # Recompute layer 1 by hand: embeddings, block 0, then block 1's attention module.
     x = model.tok_emb(idx) + model.pos_emb(torch.arange(len(ids)))

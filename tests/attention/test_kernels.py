@@ -17,7 +17,7 @@ import torch
 from helpers import HANG_SECONDS
 
 from gptmini.attention import KVCache, MultiHeadAttention, kernels
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, lm_loss
 from gptmini.testing import AttentionSpec, check_attention
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_a_kernel_by_import_path_builds_a_model_that_trains_and_decodes(readme_k
     model = GPTModel(replace(tiny_config, attention_backend="readme_kernels:Float64Kernel"))
     assert all(isinstance(block.att.kernel, readme_kernel) for block in model.trf_blocks)
     idx = torch.randint(0, 64, (2, 12))
-    loss = model(idx[:, :-1], targets=idx[:, 1:])
+    loss = lm_loss(model, idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert model.tok_emb.weight.grad.abs().sum() > 0
     model.eval()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptmini.attention.norm import RMSNorm, rms_norm
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, lm_loss
 
 
 def explicit_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_the_default_model_under_bf16_autocast_emits_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, targets=idx)
+            loss = lm_loss(model, idx, idx)
         loss.backward()
     norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
     assert len(norms) == 2 * 2 + 2 * 2 + 1  # the blocks', the QK-norms', the final

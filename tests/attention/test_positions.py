@@ -19,7 +19,7 @@ from gptmini.attention.positions import (
 )
 from gptmini.generate.engine import Engine
 from gptmini.generate.loop import generate, left_pad
-from gptmini.model import ConfigError, GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel, lm_loss
 
 
 def rope_by_complex_numbers(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_every_option_trains_on_cpu(tiny_config, backend, options):
     idx = torch.randint(0, 64, (4, 17))
     losses = []
     for _ in range(25):
-        loss = model(idx[:, :-1], targets=idx[:, 1:])
+        loss = lm_loss(model, idx[:, :-1], idx[:, 1:])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -283,6 +283,7 @@ import torch
 from gptmini.generate.loop import generate
 from gptmini.model import GPTConfig, GPTModel
 from gptmini.model.flops import num_parameters
+from gptmini.model import lm_loss
 
 cfg = GPTConfig(vocab_size=64, context_length=12, emb_dim=16, n_heads=2, n_layers=2,
                 drop_rate=0.0, position="decay")
@@ -292,7 +293,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 idx = torch.randint(0, 64, (4, 13))
 losses = []
 for _ in range(20):
-    loss = model(idx[:, :-1], targets=idx[:, 1:])
+    loss = lm_loss(model, idx[:, :-1], idx[:, 1:])
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()

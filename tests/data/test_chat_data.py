@@ -19,7 +19,7 @@ from gptmini.chat import (
 )
 from gptmini.data import Corpus, GPTDataModule, Loader, Windows
 from gptmini.data.chat import Chat, PackedExamples, PaddedExamples, render_records, split_records
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, lm_loss
 from gptmini.tokenizer import get_tokenizer
 
 BYTE_CHAT = add_template_tokens(get_tokenizer("byte"), GPTMINI)
@@ -37,7 +37,7 @@ def tiny_model(vocab: int, context: int = 64) -> GPTModel:
 
 def gradients(model: GPTModel, inputs: list[int], targets: list[int]) -> list[torch.Tensor]:
     model.zero_grad()
-    model(torch.tensor([inputs]), targets=torch.tensor([targets])).backward()
+    lm_loss(model, torch.tensor([inputs]), torch.tensor([targets])).backward()
     return [p.grad.clone() for p in model.parameters()]
 
 

@@ -16,7 +16,7 @@ from gptmini.finetune import (
     lora_layers,
     merge_lora,
 )
-from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel
+from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel, lm_loss
 
 QWEN3_BLOCKS = dict(vocab_size=97, context_length=16, emb_dim=32, n_heads=4, n_layers=2,
                     drop_rate=0.0, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
@@ -56,7 +56,7 @@ def test_only_the_adapters_get_gradients_and_fresh_adapters_change_nothing():
     before = base(idx).detach()
     add_lora(base, rank=2, alpha=4.0, targets=["W_query", "mlp"])
     torch.testing.assert_close(base(idx), before, atol=0, rtol=0)  # B = 0: the base's output
-    base(idx, targets=idx).backward()
+    lm_loss(base, idx, idx).backward()
     with_grad = {n for n, p in base.named_parameters() if p.grad is not None}
     adapters = {n for n, p in base.named_parameters() if n.endswith(("lora_A", "lora_B"))}
     assert with_grad == adapters and len(adapters) == 2 * 2 * (1 + 3)  # layers x (q + mlp)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel
+from gptmini.model import GPT_CONFIG_124M, GPTConfig, GPTModel, lm_loss
 from gptmini.model.flops import flops_per_token
 from gptmini.runtime import measure_matmul_flops
 
@@ -34,7 +34,7 @@ def counted_flops_per_token(cfg: GPTConfig, seq_len: int, backward: bool = True)
     model = GPTModel(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, seq_len))
     with FlopCounterMode(display=False) as counter:
-        loss = model(tokens, targets=tokens)
+        loss = lm_loss(model, tokens, tokens)
         if backward:
             loss.backward()
     return counter.get_total_flops() / tokens.numel()

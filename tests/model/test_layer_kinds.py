@@ -6,7 +6,7 @@ import torch
 
 from gptmini.attention import KVCache
 from gptmini.generate.loop import generate, left_pad
-from gptmini.model import ConfigError, GPTConfig, GPTModel
+from gptmini.model import ConfigError, GPTConfig, GPTModel, lm_loss
 from gptmini.variants import GatedDeltaNet
 from gptmini.variants.deltanet import DeltaNetState
 
@@ -77,7 +77,7 @@ def test_a_deltanet_layer_is_causal():
 
 def test_attention_weights_are_refused_naming_the_deltanet_layers():
     with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] are Gated DeltaNet"):
-        hybrid()(torch.randint(0, 97, (1, 5)), return_weights=True)
+        hybrid().attention_weights(torch.randint(0, 97, (1, 5)))
 
 
 def test_packed_documents_and_rolling_are_refused_by_name():
@@ -92,7 +92,7 @@ def test_packed_documents_and_rolling_are_refused_by_name():
 def test_trains_one_step_and_keeps_old_checkpoints_loading():
     model = hybrid().float().train()
     idx = torch.randint(0, 97, (2, 12))
-    loss = model(idx[:, :-1], targets=idx[:, 1:])
+    loss = lm_loss(model, idx[:, :-1], idx[:, 1:])
     loss.backward()
     mixer = model.trf_blocks[0].att
     for name in ("W_query", "W_beta", "W_decay", "W_gate", "conv1d", "out_proj"):

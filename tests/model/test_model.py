@@ -1,4 +1,5 @@
 import dataclasses
+import inspect
 import math
 import re
 
@@ -14,6 +15,7 @@ from gptmini.model import (
     GPTConfig,
     GPTModel,
     init_gpt2_weights,
+    lm_loss,
 )
 from gptmini.model.flops import num_parameters
 
@@ -107,15 +109,22 @@ def test_kv_cache_prefill_and_decode_equal_full_forward(tiny_config):
     torch.testing.assert_close(torch.cat(pieces, 1), model(idx), atol=1e-5, rtol=1e-5)
 
 
-def test_return_weights_gives_each_layers_causal_weights(tiny_config):
+def test_attention_weights_gives_each_layers_causal_weights(tiny_config):
     model = GPTModel(tiny_config).eval()
     idx = torch.randint(0, 64, (1, 7))
-    logits, weights = model(idx, return_weights=True)
-    torch.testing.assert_close(logits, model(idx), atol=1e-5, rtol=1e-5)
+    weights = model.attention_weights(idx)
     assert len(weights) == tiny_config.n_layers
     for w in weights:
         assert w.shape == (1, tiny_config.n_heads, 7, 7)
         assert (w.triu(diagonal=1) == 0).all()
+
+
+def test_forward_returns_the_logits_alone():
+    """Issue 53: one return shape; the loss is lm_loss's, the weights attention_weights'."""
+    signature = inspect.signature(GPTModel.forward)
+    assert signature.return_annotation in (torch.Tensor, "Tensor")
+    assert not {"targets", "reduction", "return_weights", "return_parts"} & set(
+        signature.parameters)
 
 
 def test_too_long_input_says_how_to_crop(tiny_config):
@@ -214,11 +223,11 @@ def test_fit_vocab_names_a_wide_vocabulary_as_padding(tiny_config):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_targets_give_the_cross_entropy_of_the_logits(tiny_config, reduction):
+def test_lm_loss_is_the_cross_entropy_of_the_logits(tiny_config, reduction):
     model = GPTModel(tiny_config).eval()
     idx, targets = torch.randint(0, 64, (3, 9)), torch.randint(0, 64, (3, 9))
     targets[1, 4:] = -100  # positions that count for nothing
-    loss = model(idx, targets=targets, reduction=reduction)
+    loss = lm_loss(model, idx, targets, reduction=reduction)
     per_token = F.cross_entropy(model(idx).flatten(0, 1).double(), targets.flatten(),
                                 ignore_index=-100, reduction="none").view(3, 9)
     expected = {"mean": per_token.sum() / (targets != -100).sum(), "sum": per_token.sum(),
@@ -226,14 +235,12 @@ def test_targets_give_the_cross_entropy_of_the_logits(tiny_config, reduction):
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="reduction must be"):
-        model(idx, targets=targets, reduction="average")
-    with pytest.raises(ValueError, match="with targets forward returns the loss"):
-        model(idx, targets=targets, logits_to_keep=1)
+        lm_loss(model, idx, targets, reduction="average")
 
 
 def test_a_bf16_model_returns_its_loss_in_float32(tiny_config):
     model = GPTModel(tiny_config).to(torch.bfloat16)
-    loss = model(torch.randint(0, 64, (2, 5)), targets=torch.randint(0, 64, (2, 5)))
+    loss = lm_loss(model, torch.randint(0, 64, (2, 5)), torch.randint(0, 64, (2, 5)))
     assert loss.dtype == torch.float32 and abs(loss.item() - math.log(64)) < 0.3
 
 
@@ -253,9 +260,9 @@ def test_a_chunked_loss_equals_the_whole_one_with_its_gradients(tiny_config, red
     model = GPTModel(tiny_config).double()
     idx, targets = torch.randint(0, 64, (3, 10)), torch.randint(0, 64, (3, 10))
     targets[2, :3] = -100
-    whole = model(idx, targets=targets, reduction=reduction)
+    whole = lm_loss(model, idx, targets, reduction=reduction)
     grads = torch.autograd.grad(whole.sum(), list(model.parameters()))
-    chunked = model(idx, targets=targets, reduction=reduction, loss_chunk_size=7)
+    chunked = lm_loss(model, idx, targets, reduction=reduction, chunk_size=7)
     assert whole.dtype == chunked.dtype == torch.float64
     torch.testing.assert_close(chunked, whole)
     for a, b in zip(torch.autograd.grad(chunked.sum(), list(model.parameters())), grads,

@@ -1,7 +1,7 @@
 """The model's tables: a feed-forward or token mixer of your own plugs in by its import path
 with no file of gptmini touched, a new built-in is its own file and one table entry, and
-the auxiliary losses a layer computes reach GPTModel.forward(return_parts=True) (also
-compiled, in one graph)."""
+the auxiliary losses a layer computes reach lm_loss's `aux_losses` (also compiled, in one
+graph)."""
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,6 +19,7 @@ from gptmini.model import (
     GPTModel,
     add_aux_loss,
     cross_entropy,
+    lm_loss,
 )
 from gptmini.model.mixers import Attention
 
@@ -92,18 +93,22 @@ def test_a_feed_forward_of_your_own_plugs_in_by_its_import_path(tiny_config):
         6 * 2 * 32 * 16 - 6 * 2 * 16 * 64)
 
 
-def test_the_layers_auxiliary_losses_are_the_parts_and_the_loss_adds_them(tiny_config):
+def test_the_layers_auxiliary_losses_are_the_parts_the_task_adds(tiny_config):
     model = noisy_model(tiny_config, weight=0.5)
     idx, targets = batch()
-    lm = model(idx, targets=targets)  # evaluation's: the language-modelling loss alone
     for block in model.trf_blocks:
         block.ff.reported.clear()
-    loss, parts = model(idx, targets=targets, return_parts=True)
+    parts = {}
+    lm = lm_loss(model, idx, targets, aux_losses=parts)  # the language model's loss alone
     reported = sum(r for block in model.trf_blocks for r in block.ff.reported)
     assert list(parts) == ["noise"] and len(model.trf_blocks[0].ff.reported) == 1
     torch.testing.assert_close(parts["noise"].detach(), reported, rtol=0, atol=1e-12)
     torch.testing.assert_close(lm, cross_entropy(model(idx), targets), rtol=0, atol=1e-12)
+    from gptmini.train.tasks import LanguageModelling  # the task trains on their sum
+    task = LanguageModelling(tokenizer=None)
+    loss, metrics = task.loss(model, (idx, targets))
     torch.testing.assert_close(loss, lm + parts["noise"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(metrics["loss"], lm, rtol=0, atol=1e-12)
     loss.backward()  # the auxiliary loss trains the layers that computed it
     assert model.trf_blocks[0].ff.up.weight.grad.abs().sum() > 0
 
@@ -111,24 +116,24 @@ def test_the_layers_auxiliary_losses_are_the_parts_and_the_loss_adds_them(tiny_c
 def test_a_model_without_auxiliary_losses_has_no_parts(tiny_config):
     model = GPTModel(tiny_config).double()
     idx, targets = batch()
-    loss, parts = model(idx, targets=targets, return_parts=True)
-    assert parts == {}
-    torch.testing.assert_close(loss, model(idx, targets=targets), rtol=0, atol=0)
-    chunked, parts = model(idx, targets=targets, return_parts=True, loss_chunk_size=5)
-    torch.testing.assert_close(chunked, loss)
-    per_token, parts = model(idx, targets=targets, reduction="none", return_parts=True)
-    torch.testing.assert_close(per_token, model(idx, targets=targets, reduction="none"))
-    with pytest.raises(ValueError, match="return_parts returns the loss"):
-        model(idx, return_parts=True)
+    for reduction, chunk_size in (("mean", None), ("mean", 5), ("none", None)):
+        parts = {}
+        lm_loss(model, idx, targets, reduction, chunk_size=chunk_size, aux_losses=parts)
+        assert parts == {}
 
 
 @pytest.mark.slow
 def test_auxiliary_losses_compile_in_one_graph(tiny_config):
     model = noisy_model(tiny_config, weight=0.5).float()
     idx, targets = batch()
-    want_loss, want_parts = model(idx, targets=targets, return_parts=True)
-    compiled = torch.compile(model, fullgraph=True)  # a graph break would raise here
-    loss, parts = compiled(idx, targets=targets, return_parts=True)
+
+    def step(model, idx, targets):  # as the language task's
+        parts = {}
+        return lm_loss(model, idx, targets, aux_losses=parts), parts
+
+    want_loss, want_parts = step(model, idx, targets)
+    compiled = torch.compile(step, fullgraph=True)  # a graph break would raise here
+    loss, parts = compiled(model, idx, targets)
     torch.testing.assert_close(loss, want_loss)
     torch.testing.assert_close(parts["noise"], want_parts["noise"])
 

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from gptmini.convert import export_hf
-from gptmini.model import GPTConfig, GPTModel
+from gptmini.model import GPTConfig, GPTModel, lm_loss
 from gptmini.train.module import GPTLitModule
 from gptmini.train.optim import lr_factor, warmup_for
 
@@ -117,7 +117,7 @@ def _module_after_backward(scale: float, poison: bool = False):
             module.model.tok_emb.weight[3] = math.nan
     inputs = torch.randint(0, 50257, (2, 8))
     inputs[0, 0] = 3
-    (module.model(inputs, targets=torch.randint(0, 50257, (2, 8))) * scale).backward()
+    (lm_loss(module.model, inputs, torch.randint(0, 50257, (2, 8))) * scale).backward()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=True)
     return module, logged, optimizer
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import HostReads, make_model
 
+from gptmini.model import lm_loss
 from gptmini.train.module import GPTLitModule
 from gptmini.train.optim import (
     NS_COEFFICIENTS,
@@ -45,7 +46,7 @@ def model_and_batches(seed: int = 0, **overrides):
 
 
 def backward(model, batch):
-    model(batch[:, :-1], targets=batch[:, 1:]).backward()
+    lm_loss(model, batch[:, :-1], batch[:, 1:]).backward()
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_everything_else():

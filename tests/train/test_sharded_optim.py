@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from gptmini.model import lm_loss
 from gptmini.train.optim import muon_adamw, orthogonalize, sharded_orthogonalize
 from gptmini.train.steps import clip_gradients
 
@@ -66,7 +67,7 @@ def train(model, optimizer) -> list[str]:
     in those (HostReads: on a GPU, each would wait for it)."""
     reads = HostReads()
     for step, batch in enumerate(batches()):
-        model(batch[:, :-1], targets=batch[:, 1:]).backward()
+        lm_loss(model, batch[:, :-1], batch[:, 1:]).backward()
         if step == 2:
             for p in model.parameters():
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(math.nan)

@@ -1,7 +1,7 @@
 """The step is a task: the LightningModule logs what its task returns and branches on no
 task and on no LoRA setting; language modelling backpropagates the model's auxiliary losses
-(its contract: `model(x, targets=t, return_parts=True) -> (loss, parts)`) and logs each one
-beside the plain train/loss."""
+(what `lm_loss(..., aux_losses=parts)` hands over) and logs each one beside the plain
+train/loss."""
 
 import ast
 import inspect
@@ -22,24 +22,17 @@ TINY = dict(tokenizer="byte", context_length=8, emb_dim=16, n_heads=2, n_layers=
 
 class WithParts(nn.Module):
     """A test double of a model with an auxiliary loss (a mixture of experts' balance):
-    the language model's cross-entropy plus 0.5 * |w|^2, returned as the contract says."""
+    0.5 * |w|^2, handed over as lm_loss asks for it: forward fills `aux_losses`."""
 
     def __init__(self, vocab: int = 257):
         super().__init__()
         self.emb = nn.Embedding(vocab, vocab)
         self.w = nn.Parameter(torch.tensor([3.0, 4.0]))
 
-    def forward(self, x, targets=None, document_ids=None, loss_chunk_size=None,
-                reduction="mean", return_parts=False):
-        logits = self.emb(x)
-        nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction,
-                               ignore_index=-100)
-        parts = {"balance": 0.5 * self.w.square().sum()}
-        if reduction == "none":  # per token: the language model's alone
-            nats = nats.view(targets.shape)
-            return (nats, parts) if return_parts else nats
-        loss = nats + parts["balance"]
-        return (loss, parts) if return_parts else loss
+    def forward(self, x, document_ids=None, aux_losses=None):
+        if aux_losses is not None:
+            aux_losses["balance"] = 0.5 * self.w.square().sum()
+        return self.emb(x)
 
 
 def test_language_modelling_backpropagates_the_parts_and_logs_each_beside_the_plain_loss():

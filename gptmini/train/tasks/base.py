@@ -15,10 +15,11 @@ starts) and returns the DPO loss with its rewards, margin and accuracy as metric
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
+import torch
 from torch import Tensor
 
 from gptmini.finetune.reference import Reference
-from gptmini.model import GPTModel
+from gptmini.model import GPTModel, lm_loss
 
 Metrics = dict[str, Tensor]
 """Scalars by name ("loss", "acc", an auxiliary loss's name), logged as train/ or val/<name>."""
@@ -62,6 +63,15 @@ class Task(ABC):
     def tokens(self, batch) -> int:
         """Tokens the model reads for `batch` (training throughput counts them)."""
         return batch[0].numel()
+
+    lm_loss = staticmethod(lm_loss)
+    """The language-modelling loss (gptmini.model.lm_loss), compiled by `compile`."""
+
+    def compile(self, model: GPTModel) -> None:
+        """torch.compile what a step runs, in place: the model's forward (logits) and the
+        loss, which compiled as one function fuses the head and the cross-entropy."""
+        model.compile()
+        self.lm_loss = torch.compile(lm_loss)
 
     @abstractmethod
     def loss(self, model: GPTModel, batch) -> tuple[Tensor, Metrics]:

@@ -20,9 +20,8 @@ class LanguageModelling(Task):
     each (b, num_tokens). Metrics: train/loss and val/loss (the mean cross-entropy of the
     targets), val/ppl, val/bpb (bits per byte of the text the targets stand for, which
     compares tokenizers), and each auxiliary loss the model adds (a mixture of experts'
-    balance), as train/<name> and val/<name>: the model returns them by its contract,
-    `model(x, targets=t, return_parts=True) -> (loss, parts)`, its loss including them.
-    train/loss stays the language model's own.
+    balance), as train/<name> and val/<name>: `lm_loss(..., aux_losses=parts)` hands them
+    over, and the loss trained on adds them. train/loss stays the language model's own.
 
     Args:
         tokenizer: the run's, for the bytes of text each id stands for.
@@ -35,15 +34,17 @@ class LanguageModelling(Task):
         self._nats: Tensor | None = None
         self._bytes: Tensor | None = None
 
-    def _forward(self, model: GPTModel, batch, **kwargs) -> tuple[Tensor, Metrics]:
+    def _forward(self, model: GPTModel, batch, reduction: str = "mean"
+                 ) -> tuple[Tensor, Metrics]:
         inputs, targets, *documents = batch
-        return model(inputs, targets=targets, document_ids=documents[0] if documents else None,
-                     loss_chunk_size=self.loss_chunk_size, return_parts=True, **kwargs)
+        parts = {}
+        loss = self.lm_loss(model, inputs, targets, reduction, chunk_size=self.loss_chunk_size,
+                            document_ids=documents[0] if documents else None, aux_losses=parts)
+        return loss, parts
 
     def loss(self, model: GPTModel, batch) -> tuple[Tensor, Metrics]:
         loss, parts = self._forward(model, batch)
-        plain = loss - sum(parts.values()) if parts else loss
-        return loss, {"loss": plain, **parts}
+        return (loss + sum(parts.values()) if parts else loss), {"loss": loss, **parts}
 
     def validation_step(self, model: GPTModel, batch) -> Metrics:
         targets = batch[1]

@@ -42,7 +42,8 @@ class DirectPreference(Task):
                                "starting weights) is kept there, before the first step")
         chosen_x, chosen_y, rejected_x, rejected_y = batch
         inputs, targets = torch.cat([chosen_x, rejected_x]), torch.cat([chosen_y, rejected_y])
-        kwargs = {"average": self.settings.average, "loss_chunk_size": self.loss_chunk_size}
+        kwargs = {"average": self.settings.average, "loss_chunk_size": self.loss_chunk_size,
+                  "loss_fn": self.lm_loss}
         policy = sequence_log_probs(model, inputs, targets, **kwargs)  # (2b,) chosen first
         reference = self.reference(model, sequence_log_probs, inputs, targets, **kwargs)
         b = len(chosen_x)

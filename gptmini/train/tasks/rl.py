@@ -140,7 +140,8 @@ class GRPO(Task):
         rows = tuple(t.to(device) for t in runs.rows(self.tokenizer.eot_token))
         reference = None
         if self.reference is not None:
-            reference = self.reference(model, token_log_probs, rows[0], rows[1])
+            reference = self.reference(model, token_log_probs, rows[0], rows[1],
+                                       loss_fn=self.lm_loss)
         return Scored(runs, rewards, group_advantages(rewards, g).to(device), rows, reference)
 
     def _text(self, completion: list[int], stopped: bool) -> str:
@@ -155,7 +156,7 @@ class GRPO(Task):
         training = model.training
         model.eval()  # the samples were drawn without dropout: learn the same distribution
         try:
-            logprobs = token_log_probs(model, inputs, targets)
+            logprobs = token_log_probs(model, inputs, targets, loss_fn=self.lm_loss)
         finally:
             model.train(training)
         terms = grpo_loss(logprobs, old, scored.advantages, mask,
