@@ -243,17 +243,14 @@ def tile_plan(mask: MaskMod, batch: int, num_tokens: int, num_keys: int, tile: i
     q_tiles, k_tiles = -(-num_tokens // tile), -(-num_keys // tile)
     some = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
     every = torch.zeros(q_tiles, k_tiles, dtype=torch.bool, device=device)
-    b = torch.arange(batch, device=device)[:, None, None, None]
-    h = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
-    kv = torch.arange(num_keys, device=device)[None, None, None, :]
     pad = k_tiles * tile - num_keys  # the last tile may be short: pad it with its own values
     for i in range(q_tiles):
-        q = torch.arange(first + i * tile, first + min((i + 1) * tile, num_tokens),
-                         device=device)[None, None, :, None]
-        allowed = mask(b, h, q, kv).expand(batch, 1, q.shape[2], num_keys)
+        rows = min(tile, num_tokens - i * tile)
+        grids = index_grids(batch, 1, first + i * tile, rows, 0, num_keys, device)
+        allowed = mask(*grids).expand(batch, 1, rows, num_keys)
         if pad:  # repeat the last key's column: it changes neither "any" nor "all"
             allowed = torch.cat([allowed, allowed[..., -1:].expand(*allowed.shape[:3], pad)], -1)
-        tiles = allowed.reshape(batch, q.shape[2], k_tiles, tile)  # (batch, tile, k_tiles, tile)
+        tiles = allowed.reshape(batch, rows, k_tiles, tile)  # (batch, tile, k_tiles, tile)
         some[i] = tiles.any(dim=3).any(dim=1).any(dim=0)
         every[i] = tiles.all(dim=3).all(dim=1).all(dim=0)
     return some, every
