@@ -332,7 +332,7 @@ def bytes_after_a_step(shape: str, optimizer: str, mesh=None) -> int:
     """`held_bytes` after one optimizer step of the `shape` model, sharded over `mesh`
     (FSDP2, as --trainer.strategy fsdp2 shards) or whole."""
     from gptmini.model import GPTModel, lm_loss
-    from gptmini.train.optim import make_optimizer
+    from gptmini.train.optim import OptimizerSettings, make_optimizer
     from gptmini.train.sharding import shard_model
 
     torch.manual_seed(0)
@@ -340,8 +340,10 @@ def bytes_after_a_step(shape: str, optimizer: str, mesh=None) -> int:
     model = GPTModel(cfg)
     if mesh is not None:
         shard_model(model, mesh, "32-true", compile=False)
-    opt = make_optimizer(model, optimizer, learning_rate=1e-3, muon_learning_rate=1e-3,
-                         weight_decay=0.1, betas=(0.9, 0.95), device=torch.device("cpu"))
+    settings = OptimizerSettings(optimizer, learning_rate=1e-3, muon_learning_rate=1e-3,
+                                 weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_steps=0,
+                                 min_lr_ratio=0.1)
+    opt = make_optimizer(model, settings, torch.device("cpu"))
     batch = torch.randint(0, cfg.vocab_size, (1, 9))
     lm_loss(model, batch[:, :-1], batch[:, 1:]).backward()
     opt.step()

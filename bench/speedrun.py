@@ -63,7 +63,7 @@ from gptmini.model import (  # noqa: E402
 )
 from gptmini.runtime import auto_precision  # noqa: E402
 from gptmini.tokenizer import load_tokenizer  # noqa: E402
-from gptmini.train.optim import make_optimizer, muon_adamw  # noqa: E402
+from gptmini.train.optim import adamw, muon_adamw  # noqa: E402
 
 BOOK = {  # today's default run (configs/book-gpt2.yaml): the book's GPT-2 blocks, AdamW
     "model": {"context_length": 128, "emb_dim": 256, "n_heads": 4, "n_layers": 4,
@@ -165,7 +165,8 @@ def build(settings: dict, seed: int, vocab_size: int):
                                ns_coefficients=settings["muon_ns_coefficients"],
                                batched=not settings["torch_muon"])
     else:
-        optimizer = make_optimizer(model, settings["optimizer"], **rates)
+        rates.pop("muon_learning_rate")
+        optimizer = adamw(model.parameters(), **rates)
     if settings["compile"]:
         # Each run compiles its own graph, as train.py's: without a reset dynamo would make
         # the batch dynamic once a second recipe's shape is seen, and fall back to eager

@@ -6,7 +6,7 @@ holds); which weights train is its `AllWeights` or `LoRA` (`gptmini.train.adapte
 module asks them and branches on neither."""
 
 import warnings
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from functools import partial
 
 import lightning as L
@@ -27,8 +27,9 @@ from gptmini.train.adapters import check_base, trained_weights
 from gptmini.train.optim import (
     NS_SET,
     NS_STEPS,
+    OptimizerSettings,
     apply_changed_settings,
-    check_optimization,
+    check_settings,
     configure,
     warmup_for,
 )
@@ -127,7 +128,8 @@ class GPTLitModule(L.LightningModule):
         super().__init__()
         dpo, grpo = (asdict(s) if is_dataclass(s) else s for s in (dpo, grpo))  # plain data
         self.save_hyperparameters(ignore=["encoding", "chat_template", "verifier"])
-        check_optimization(self.hparams)
+        self.optimization = OptimizerSettings.of(self.hparams)  # checked: flags named
+        check_settings(peak_flops=peak_flops, loss_chunk_size=loss_chunk_size)
         self.tokenizer = encoding or get_tokenizer(tokenizer)  # callbacks, checkpoints read it
         try:
             self.cfg = GPTConfig(vocab_size=self.tokenizer.n_vocab, **model)
@@ -310,17 +312,17 @@ class GPTLitModule(L.LightningModule):
         check_base(checkpoint, self.base_fingerprint, self.hparams.init_from)
         check_same_model(checkpoint, self.cfg)
         total = self._total_steps()
-        apply_changed_settings(checkpoint, self.hparams, total_steps=total,
-                               warmup_steps=warmup_for(self.hparams.warmup_steps, total),
+        apply_changed_settings(checkpoint, self.optimization, total_steps=total,
+                               warmup_steps=warmup_for(self.optimization.warmup_steps, total),
                                announce=self.trainer is not None and self.trainer.is_global_zero)
         self._rng_to_restore = checkpoint.get("rng_states")
 
     # --- optimization -------------------------------------------------------------------
 
     def configure_optimizers(self):
-        name = self.weights.optimizer(self.hparams.optimizer, say=self._say)
-        return configure(self.model, self.hparams, name=name, device=self.device,
-                         total_steps=self._total_steps(), say=self._say)
+        name = self.weights.optimizer(self.optimization.optimizer, say=self._say)
+        return configure(self.model, replace(self.optimization, optimizer=name),
+                         device=self.device, total_steps=self._total_steps(), say=self._say)
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:

@@ -2,12 +2,14 @@
 hidden matrices beside it; a linear warmup then a cosine decay; and what a resumed run may
 change of them.
 
-The LightningModule builds them (`configure_optimizers`) from its hyperparameters; the
-model's shape is not one of those, and a resume may not change it.
+The LightningModule builds them (`configure_optimizers`) from its `OptimizerSettings`, read
+once from its hyperparameters; the model's shape is not one of those, and a resume may not
+change it.
 """
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -17,16 +19,13 @@ from gptmini.model import is_finite_number
 from gptmini.runtime import device_has_bf16
 
 __all__ = ["MUON_ADJUST_LR", "MUON_TORCH", "NS_COEFFICIENTS", "OPTIMIZATION_FIELDS", "OPTIMIZERS",
-           "SETTINGS", "BatchedMuon", "MuonAdamW", "adamw", "apply_changed_settings",
-           "check_muon_settings", "check_optimization", "check_optimizer", "check_settings",
+           "SETTINGS", "BatchedMuon", "MuonAdamW", "OptimizerSettings", "adamw",
+           "apply_changed_settings", "check_muon_settings", "check_optimizer", "check_settings",
            "configure", "lr_factor", "make_optimizer", "muon_adamw", "muon_class",
            "newton_schulz_dtype", "orthogonalize", "sharded_orthogonalize", "skips_on_device",
            "warmup_cosine", "warmup_for"]
 
 OPTIMIZERS = ("adamw", "muon")
-OPTIMIZATION_FIELDS = ("learning_rate", "muon_learning_rate", "min_lr_ratio", "warmup_steps",
-                       "weight_decay", "beta1", "beta2", "muon_ns_steps", "muon_ns_coefficients")
-"""Settings a resumed run may change; the model's shape may not."""
 MUON_TORCH = "2.9"
 """The first torch release with `torch.optim.Muon`."""
 MUON_ADJUST_LR = "match_rms_adamw"
@@ -57,6 +56,45 @@ NS_COEFFICIENTS: dict[str, tuple[float, tuple[tuple[float, float, float], ...]]]
 last repeats when there are more iterations)."""
 NS_STEPS, NS_SET = 5, "jordan"
 """Muon's Newton-Schulz defaults, torch.optim.Muon's: 5 iterations of Jordan's quintic."""
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """A run's optimizer and its schedule, typed and checked when made (a ValueError naming
+    the flag): GPTLitModule's --model.<field> flags, whose docstring says what each does
+    and whose signature holds their defaults."""
+
+    optimizer: str
+    learning_rate: float
+    muon_learning_rate: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    warmup_steps: int
+    min_lr_ratio: float
+    muon_ns_steps: int = NS_STEPS
+    muon_ns_coefficients: str = NS_SET
+
+    def __post_init__(self):
+        check_settings(**{f.name: getattr(self, f.name) for f in fields(self)
+                          if f.name in SETTINGS})
+        check_optimizer(self.optimizer)
+        check_muon_settings(self.muon_ns_steps, self.muon_ns_coefficients)
+
+    @classmethod
+    def of(cls, hparams: Mapping) -> "OptimizerSettings":
+        """The settings among a module's hyperparameters (a checkpoint's from before Muon's
+        Newton-Schulz settings: their defaults)."""
+        return cls(**{f.name: hparams[f.name] for f in fields(cls) if f.name in hparams})
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self.beta1, self.beta2
+
+
+OPTIMIZATION_FIELDS = tuple(f.name for f in fields(OptimizerSettings) if f.name != "optimizer")
+"""Settings a resumed run may change (its optimizer's state fits one optimizer only); the
+model's shape may not."""
 
 
 def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
@@ -414,15 +452,6 @@ def check_settings(**values) -> None:
             raise ValueError(f"--model.{name} {value!r} is invalid: use {what}")
 
 
-def check_optimization(settings: Mapping) -> None:
-    """Refuse optimization settings (a module's hyperparameters) that cannot train, naming
-    the flag: any of `SETTINGS` out of its range, an optimizer this torch cannot build (before
-    any data is read), Muon's Newton-Schulz settings."""
-    check_settings(**{name: settings[name] for name in SETTINGS})
-    check_optimizer(settings["optimizer"])
-    check_muon_settings(settings["muon_ns_steps"], settings["muon_ns_coefficients"])
-
-
 def check_muon_settings(ns_steps: int, ns_coefficients: str) -> None:
     """Raise a ValueError naming the field unless Newton-Schulz can run with these."""
     if not isinstance(ns_steps, int) or not 1 <= ns_steps <= 20:
@@ -441,36 +470,27 @@ def check_optimizer(name: str) -> None:
         muon_class()
 
 
-def make_optimizer(model: nn.Module, name: str, *, learning_rate: float,
-                   muon_learning_rate: float, weight_decay: float, betas: tuple[float, float],
-                   device: torch.device, muon_ns_steps: int = NS_STEPS,
-                   muon_ns_coefficients: str = NS_SET) -> torch.optim.Optimizer:
-    """`adamw` over all of `model`, or `muon_adamw` (`name` one of OPTIMIZERS, with
-    `muon_ns_steps` and `muon_ns_coefficients`). `model`'s parameters may be FSDP2 shards
-    (DTensors): Muon then orthogonalizes whole matrices (`sharded_orthogonalize`)."""
-    check_optimizer(name)
-    if name == "muon":
-        return muon_adamw(model, learning_rate=learning_rate,
-                          muon_learning_rate=muon_learning_rate, weight_decay=weight_decay,
-                          betas=betas, device=device, ns_steps=muon_ns_steps,
-                          ns_coefficients=muon_ns_coefficients)
-    return adamw(model.parameters(), learning_rate=learning_rate, weight_decay=weight_decay,
-                 betas=betas, device=device)
+def make_optimizer(model: nn.Module, settings: OptimizerSettings,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """`adamw` over all of `model`, or `muon_adamw`, as `settings.optimizer` names. `model`'s
+    parameters may be FSDP2 shards (DTensors): Muon then orthogonalizes whole matrices
+    (`sharded_orthogonalize`)."""
+    s = settings
+    if s.optimizer == "muon":
+        return muon_adamw(model, learning_rate=s.learning_rate,
+                          muon_learning_rate=s.muon_learning_rate, weight_decay=s.weight_decay,
+                          betas=s.betas, device=device, ns_steps=s.muon_ns_steps,
+                          ns_coefficients=s.muon_ns_coefficients)
+    return adamw(model.parameters(), learning_rate=s.learning_rate,
+                 weight_decay=s.weight_decay, betas=s.betas, device=device)
 
 
-def configure(model: nn.Module, settings, *, name: str, device: torch.device,
+def configure(model: nn.Module, settings: OptimizerSettings, *, device: torch.device,
               total_steps: int, say: Callable[[str], None] = print) -> dict:
-    """The optimizer `name` and its warmup-cosine schedule, as Lightning's
-    `configure_optimizers` returns them, from a module's hyperparameters (`settings`: the
-    rates, decay, betas, Muon's Newton-Schulz settings, warmup_steps and min_lr_ratio).
-    A warm-up cut to half the run (`warmup_for`) is said through `say`, naming the flags."""
-    optimizer = make_optimizer(model, name, learning_rate=settings.learning_rate,
-                               muon_learning_rate=settings.muon_learning_rate,
-                               weight_decay=settings.weight_decay,
-                               betas=(settings.beta1, settings.beta2), device=device,
-                               muon_ns_steps=settings.get("muon_ns_steps", NS_STEPS),
-                               muon_ns_coefficients=settings.get("muon_ns_coefficients",
-                                                                 NS_SET))
+    """The optimizer and its warmup-cosine schedule, as Lightning's `configure_optimizers`
+    returns them. A warm-up cut to half the run (`warmup_for`) is said through `say`, naming
+    the flags."""
+    optimizer = make_optimizer(model, settings, device)
     warmup = warmup_for(settings.warmup_steps, total_steps)
     if warmup < settings.warmup_steps:  # a short trial run (fast_dev_run, a few max_steps)
         say(f"--model.warmup_steps {settings.warmup_steps} is more than half of this run's "
@@ -513,8 +533,8 @@ def is_muon_group(group: dict) -> bool:
     return "ns_steps" in group
 
 
-def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, total_steps: int,
-                           announce: bool) -> list[str]:
+def apply_changed_settings(checkpoint: dict, settings: OptimizerSettings, *,
+                           warmup_steps: int, total_steps: int, announce: bool) -> list[str]:
     """Make a checkpoint being resumed carry this run's optimization settings.
 
     The restored optimizer and schedule would otherwise keep the old learning rates, weight
@@ -522,17 +542,17 @@ def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, tota
     reached as the new settings draw it. Returns the changed fields (printed if `announce`).
     Another optimizer than the checkpoint's is refused (ValueError).
     """
-    saved, hp = checkpoint.get("hyper_parameters", {}), hparams
+    saved, hp = checkpoint.get("hyper_parameters", {}), settings
     if saved.get("optimizer", "adamw") != hp.optimizer:  # its state has other groups
         raise ValueError(
             f"the checkpoint was trained with --model.optimizer {saved.get('optimizer', 'adamw')}"
             f" and this run asks for {hp.optimizer}; resume with "
             f"--model.optimizer {saved.get('optimizer', 'adamw')}, or start a new --run_name")
-    changed = [f for f in OPTIMIZATION_FIELDS if f in saved and saved[f] != hp[f]]
+    changed = [f for f in OPTIMIZATION_FIELDS if f in saved and saved[f] != getattr(hp, f)]
     if not changed:
         return changed
     if announce:
-        diffs = ", ".join(f"{f} {saved[f]} -> {hp[f]}" for f in changed)
+        diffs = ", ".join(f"{f} {saved[f]} -> {getattr(hp, f)}" for f in changed)
         print(f"resuming with changed settings: {diffs}", flush=True)
     for optimizer, schedule in zip(checkpoint.get("optimizer_states", []),
                                    checkpoint.get("lr_schedulers", []), strict=False):
@@ -546,10 +566,9 @@ def apply_changed_settings(checkpoint: dict, hparams, *, warmup_steps: int, tota
             if muon[i] or i == 0:
                 group["weight_decay"] = hp.weight_decay
             if muon[i]:
-                group.update(ns_steps=hp.get("muon_ns_steps", NS_STEPS),
-                             ns_coefficients=hp.get("muon_ns_coefficients", NS_SET))
+                group.update(ns_steps=hp.muon_ns_steps, ns_coefficients=hp.muon_ns_coefficients)
             if "betas" in group:
-                group["betas"] = (hp.beta1, hp.beta2)
+                group["betas"] = hp.betas
         schedule["base_lrs"] = bases
         schedule["_last_lr"] = [base * factor for base in bases]
     return changed

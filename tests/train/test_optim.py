@@ -5,6 +5,7 @@ import copy
 import io
 import math
 import re
+from dataclasses import FrozenInstanceError, replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,12 @@ from gptmini.model import lm_loss
 from gptmini.train.module import GPTLitModule
 from gptmini.train.optim import (
     NS_COEFFICIENTS,
+    NS_SET,
+    NS_STEPS,
     BatchedMuon,
     MuonAdamW,
+    OptimizerSettings,
     apply_changed_settings,
-    check_muon_settings,
     lr_factor,
     make_optimizer,
     muon_adamw,
@@ -29,13 +32,9 @@ from gptmini.train.optim import (
 )
 
 RATES = dict(learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1, betas=(0.9, 0.95))
+MUON = OptimizerSettings("muon", learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1,
+                         beta1=0.9, beta2=0.95, warmup_steps=0, min_lr_ratio=0.1)
 CPU = torch.device("cpu")
-
-
-class Hparams(dict):
-    """Lightning's hparams: a dict whose keys are attributes too."""
-
-    __getattr__ = dict.__getitem__
 
 
 def model_and_batches(seed: int = 0, **overrides):
@@ -140,7 +139,7 @@ def test_a_non_finite_muon_step_is_skipped_on_the_device_and_never_updates_the_w
                                      precision="32-true", global_step=3)
     module.log = lambda *args, **kwargs: None
     twin = copy.deepcopy(module.model)
-    optimizer = make_optimizer(module.model, "muon", **RATES, device=CPU)
+    optimizer = make_optimizer(module.model, MUON, CPU)
     assert skips_on_device(optimizer)
     batch = torch.randint(0, 50257, (2, 9))
     backward(module.model, batch)
@@ -153,7 +152,7 @@ def test_a_non_finite_muon_step_is_skipped_on_the_device_and_never_updates_the_w
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
     with pytest.raises(FloatingPointError, match="not finite at step 3"):
         module.on_save_checkpoint({})  # the next check: no checkpoint of a non-finite run
-    fresh = make_optimizer(twin, "muon", **RATES, device=CPU)
+    fresh = make_optimizer(twin, MUON, CPU)
     for model, opt in ((module.model, optimizer), (twin, fresh)):
         opt.zero_grad()
         backward(model, batch)
@@ -194,8 +193,7 @@ def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
                                        "learning_rate": 3e-3},
                   "optimizer_states": [optimizer.state_dict()],
                   "lr_schedulers": [schedule.state_dict()]}
-    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2, min_lr_ratio=0.1,
-                 weight_decay=0.1, beta1=0.9, beta2=0.95)
+    hp = replace(MUON, muon_learning_rate=1e-2)
     changed = apply_changed_settings(checkpoint, hp, warmup_steps=2, total_steps=10,
                                      announce=False)
     assert changed == ["muon_learning_rate"]
@@ -207,7 +205,7 @@ def test_a_changed_muon_rate_applies_on_resume_from_the_step_reached():
 
 
 def test_resuming_with_another_optimizer_is_refused_naming_the_checkpoints():
-    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=1e-2)
+    hp = replace(MUON, muon_learning_rate=1e-2)
     with pytest.raises(ValueError, match="trained with --model.optimizer adamw and this run "
                                          "asks for muon; resume with --model.optimizer adamw"):
         apply_changed_settings({"hyper_parameters": {"learning_rate": 3e-3}}, hp,
@@ -222,9 +220,8 @@ def test_a_torch_without_muon_is_named_with_the_version_that_has_it(monkeypatch)
 
 
 def test_bad_optimizer_choices_name_the_setting_and_the_fix():
-    model, _ = model_and_batches()
     with pytest.raises(ValueError, match="model.optimizer='sgd': use one of adamw, muon"):
-        make_optimizer(model, "sgd", **RATES, device=CPU)
+        replace(MUON, optimizer="sgd")
 
 
 def test_muon_adamw_is_one_torch_optimizer():
@@ -286,8 +283,8 @@ def test_polar_express_is_closer_to_orthogonal_than_jordans_in_the_same_steps():
 
 def test_muon_takes_its_newton_schulz_settings():
     model, batches = model_and_batches()
-    optimizer = make_optimizer(model, "muon", **RATES, device=CPU, muon_ns_steps=3,
-                               muon_ns_coefficients="polar_express")
+    settings = replace(MUON, muon_ns_steps=3, muon_ns_coefficients="polar_express")
+    optimizer = make_optimizer(model, settings, CPU)
     assert {(g["ns_steps"], g["ns_coefficients"]) for g in optimizer.muon.param_groups} == \
         {(3, "polar_express")}
     backward(model, batches[0])
@@ -299,8 +296,8 @@ def test_muon_takes_its_newton_schulz_settings():
     (5, "newton", r"model.muon_ns_coefficients='newton': use one of jordan, polar_express"),
 ])
 def test_bad_newton_schulz_settings_name_the_field(steps, coefficients, message):
-    with pytest.raises(ValueError, match=message):
-        check_muon_settings(steps, coefficients)
+    with pytest.raises(ValueError, match=message):  # the typed settings check when made
+        replace(MUON, muon_ns_steps=steps, muon_ns_coefficients=coefficients)
 
 
 def test_changed_newton_schulz_settings_apply_on_resume():
@@ -312,9 +309,7 @@ def test_changed_newton_schulz_settings_apply_on_resume():
                                        "muon_ns_coefficients": "jordan"},
                   "optimizer_states": [optimizer.state_dict()],
                   "lr_schedulers": [schedule.state_dict()]}
-    hp = Hparams(optimizer="muon", learning_rate=3e-3, muon_learning_rate=5e-3,
-                 min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, muon_ns_steps=4,
-                 muon_ns_coefficients="polar_express")
+    hp = replace(MUON, muon_ns_steps=4, muon_ns_coefficients="polar_express")
     changed = apply_changed_settings(checkpoint, hp, warmup_steps=2, total_steps=10,
                                      announce=False)
     assert changed == ["muon_ns_steps", "muon_ns_coefficients"]
@@ -342,3 +337,22 @@ def test_newton_schulz_runs_in_float32_on_a_cpu_without_bf16_units(monkeypatch, 
     monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: has_bf16)
     BatchedMuon([param], lr=1e-3).step()  # the optimizer's step takes the same dtype
     assert param.dtype == torch.float32 and torch.isfinite(param).all()
+
+
+def test_a_module_reads_its_optimizer_settings_once_typed_and_checked():
+    """Issue 53: one typed object, not untyped hyperparameters read at each use."""
+    module = GPTLitModule(tokenizer="byte", context_length=8, emb_dim=16, n_heads=2,
+                          n_layers=1, optimizer="muon", learning_rate=2e-3)
+    settings = module.optimization
+    assert isinstance(settings, OptimizerSettings)
+    assert (settings.optimizer, settings.learning_rate, settings.betas) == (
+        "muon", 2e-3, (module.hparams.beta1, module.hparams.beta2))
+    with pytest.raises(FrozenInstanceError):
+        settings.learning_rate = 1.0
+    # a checkpoint's hyperparameters from before Muon's Newton-Schulz settings: the defaults
+    old = {k: v for k, v in module.hparams.items() if not k.startswith("muon_ns")}
+    assert (OptimizerSettings.of(old).muon_ns_steps,
+            OptimizerSettings.of(old).muon_ns_coefficients) == (NS_STEPS, NS_SET)
+    with pytest.raises(ValueError, match=r"--model.beta2 1.0 is invalid"):
+        GPTLitModule(tokenizer="byte", context_length=8, emb_dim=16, n_heads=2, n_layers=1,
+                     beta2=1.0)
