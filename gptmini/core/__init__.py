@@ -1,6 +1,6 @@
 """The core: what a reader reads, importing only torch. attention.py (the book's
-MultiHeadAttention and one pass's AttentionContext), masks.py (the mask algebra), kernels.py
-(explicit and SDPA), kv_cache.py, positions.py (learned, rotary), layers.py (the
+MultiHeadAttention, one pass's AttentionContext, the KV cache), masks.py (the mask algebra),
+kernels.py (explicit and SDPA), positions.py (learned, rotary), layers.py (the
 feed-forwards), model.py (GPTConfig, GPTModel). Everything else attaches from outside
 through their hooks: see gptmini.attention and gptmini.model.
 """
