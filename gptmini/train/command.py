@@ -156,6 +156,10 @@ class GPTCLI(LightningCLI):
                             help="Steps instead of --trainer.max_steps where a CPU trains in "
                                  "float32 (no bf16 units) and the steps are not given: the "
                                  "default run's, timed with bf16 (null: off).")
+        parser.add_argument("--max_corpus_epochs", type=float | None, default=None,
+                            help="Where --trainer.max_steps is not given, train at most this "
+                                 "many passes over the corpus's training tokens: fewer steps "
+                                 "on a small corpus instead of overfitting it (null: off).")
         parser.add_argument("--stop_grace", type=float, default=20.0,
                             help="On SIGTERM or Ctrl-C, seconds allowed to finish the optimizer "
                                  "step in progress before falling back to the last one.")
@@ -537,6 +541,10 @@ def check_intervals(config) -> None:
         if not is_finite_number(value) or value < low:  # NaN is not below anything
             raise ValueError(f"--{name}={value} is invalid: use {low} or more"
                              + (" (0 turns it off)" if low == 0 and name != "stop_grace" else ""))
+    epochs = config.get("max_corpus_epochs")
+    if epochs is not None and not (is_finite_number(epochs) and epochs > 0):
+        raise ValueError(f"--max_corpus_epochs={epochs} is invalid: use a positive number, or "
+                         "null to train --trainer.max_steps whatever the corpus's size")
     steps = config.get("cpu_float32_steps")
     if steps is not None and steps < 1:
         raise ValueError(f"--cpu_float32_steps={steps} is invalid: use 1 or more, or null to "

@@ -6,7 +6,8 @@ place, in the order each depends on the last:
 
     precision       "auto": the checkpoint's when resuming, else bf16 where the device has it
     steps           --cpu_float32_steps instead of --trainer.max_steps where a CPU trains in
-                    float32 (no bf16 units) and the steps were not given: the default run's
+                    float32 (no bf16 units) and the steps were not given: the default run's;
+                    then at most --max_corpus_epochs passes over a small corpus
     source          --model.init_from read (`Source`): its architecture fills the model
                     settings not given, and a setting that contradicts it is refused
     tokenizer       a resume's own, the source's, a fitted bpe:N, or the one named
@@ -24,6 +25,7 @@ as the run that trained.
 """
 
 import json
+import math
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,6 +111,7 @@ def plan_run(config, run: Path, given: Collection[str], say: Say,
     plan_steps(config, precision, trainer_given, say)
     source = plan_source(config, resumed, given)
     tokenizer = plan_tokenizer(config, resumed, source, given, run, say)
+    plan_epochs(config, trainer_given, say)
     classes = plan_classes(config)
     verifier = plan_posttraining(config, say)
     template, tokenizer = plan_chat(config, tokenizer, source, run)
@@ -159,6 +162,44 @@ def plan_steps(config, precision: str, trainer_given: Collection[str], say: Say)
     config.trainer.max_steps = steps
     say(f"steps: {steps} (--cpu_float32_steps: this CPU trains in float32, about half as "
         f"fast as the bf16 the recipe was timed in; --trainer.max_steps N trains N)")
+
+
+def plan_epochs(config, trainer_given: Collection[str], say: Say) -> None:
+    """--max_corpus_epochs: the run's steps capped at that many passes over its training
+    tokens, where --trainer.max_steps was not given (the default run's).
+
+    The recipe's steps see the embedded corpus about twice; a user's 1 MB corpus (about 300k
+    tokens) would see it six to ten times and overfit (docs/recipes.md, "A small corpus").
+    The count follows from the tokens, the batch and the devices alone, never from a clock,
+    so the same command on the same machine trains the same weights. Records (chat, pairs,
+    labels, prompts) are not a corpus: their runs keep their steps."""
+    epochs, data = config.get("max_corpus_epochs"), config.data
+    records = (data.chat.records, data.preference.records, data.rl.task, data.labels.task,
+               data.labels.label_field)
+    if epochs is None or "max_steps" in trainer_given or any(r is not None for r in records):
+        return
+    corpus = Corpus(**{**data.corpus.as_dict(), "tokenizer": config.model.tokenizer})
+    train_tokens = len(corpus.tokens(quiet=True)[0])  # cached: the data module reads it again
+    per_step = (data.loader.batch_size * config.model.context_length
+                * (config.trainer.accumulate_grad_batches or 1) * world_size(config.trainer))
+    steps = max(1, math.ceil(epochs * train_tokens / per_step))
+    if config.trainer.max_steps is not None and 0 <= config.trainer.max_steps <= steps:
+        return
+    config.trainer.max_steps = steps
+    say(f"steps: {steps} (--max_corpus_epochs {epochs:g}: the corpus's {train_tokens:,} "
+        f"training tokens, {per_step:,} a step; --trainer.max_steps N trains N)")
+
+
+def world_size(trainer) -> int:
+    """Processes a run's settings train on: nodes x devices ("auto": every GPU, else 1)."""
+    devices = trainer.devices
+    if isinstance(devices, list | tuple):
+        count = len(devices)
+    elif isinstance(devices, int) or str(devices).isdigit():
+        count = int(devices)
+    else:  # "auto" or -1: what Lightning would find
+        count = torch.cuda.device_count() if not on_cpu(trainer.accelerator) else 1
+    return max(count, 1) * (trainer.num_nodes or 1)
 
 
 def on_cpu(accelerator) -> bool:

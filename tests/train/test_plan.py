@@ -141,9 +141,50 @@ def test_the_default_run_trains_fewer_steps_where_a_cpu_trains_in_float32(
     trains it in float32 several times slower, so the default trains --cpu_float32_steps
     there, decided by the CPU and the precision alone (the same command, the same steps)."""
     monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: has_bf16)
-    cli = build_cli(default_run_args(tmp_path, corpus, *flags))
+    # (this corpus is tiny: the epoch cap, tested below, would cut any count)
+    cli = build_cli(default_run_args(tmp_path, corpus, "--max_corpus_epochs", "null", *flags))
     assert cli.config.trainer.max_steps == steps
     assert cli.trainer.max_steps == steps
+
+
+@pytest.mark.parametrize(("flags", "capped"), [
+    ((), True),                                          # the default: at most its epochs
+    (("--max_corpus_epochs", "2.5"), True),
+    (("--trainer.max_steps", "300"), False),             # the steps given win
+    (("--max_corpus_epochs", "null"), False),            # the rule off
+])
+def test_a_small_corpus_trains_at_most_max_corpus_epochs(tmp_path, corpus, monkeypatch, capsys,
+                                                         flags, capped):
+    """Issue 54: the default run's steps follow the corpus's size, counted before the run
+    starts (its training tokens, the batch), said in one line naming the flag."""
+    monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: True)
+    cli = build_cli(default_run_args(tmp_path, corpus, *flags))
+    epochs = cli.config.max_corpus_epochs or 3  # (the rule off: what it would have said)
+    data = cli.config.data
+    tokens = len(Corpus(**{**data.corpus.as_dict(), "tokenizer": "byte"}).tokens()[0])
+    per_step = data.loader.batch_size * cli.config.model.context_length
+    want = int(-(-epochs * tokens // per_step)) if capped else int(dict(
+        zip(flags[::2], flags[1::2], strict=True)).get("--trainer.max_steps", 960))
+    assert cli.trainer.max_steps == cli.config.trainer.max_steps == want
+    said = f"steps: {want} (--max_corpus_epochs {epochs:g}: the corpus's {tokens:,} training"
+    assert (said in capsys.readouterr().out) == capped
+    assert not capped or 0 <= want * per_step / tokens - epochs < per_step / tokens
+
+
+def test_a_corpus_the_recipe_fits_keeps_its_steps_and_records_are_not_capped(
+        tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: True)
+    cli = build_cli(default_run_args(tmp_path, corpus, "--max_corpus_epochs", "1e6"))
+    assert cli.trainer.max_steps == 960
+    path = records(tmp_path, "chat.jsonl", CHAT)
+    cli = build_cli(default_run_args(tmp_path, corpus, "--data.chat.records", path,
+                                     "--run_name", "chat"))
+    assert cli.trainer.max_steps == 960
+
+
+def test_max_corpus_epochs_not_positive_is_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"--max_corpus_epochs=0.0 is invalid: use a positive"):
+        build_cli(default_run_args(tmp_path, corpus, "--max_corpus_epochs", "0"))
 
 
 def test_only_a_run_on_the_cpu_counts_as_one(monkeypatch):
