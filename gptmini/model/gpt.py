@@ -169,8 +169,9 @@ class GPTModel(core.GPTModel):
         load balance), each weighted by its coefficient; `weights`, a list, each layer's
         attention weights (b, n_heads, num_tokens, num_keys), from the explicit path."""
         context = self._context(in_idx, attention_mask, document_ids, kv_caches, context)
-        without = [i for i, mixer in enumerate(self.mixers) if not mixer.has_weights]
-        if weights is not None and without:
+        without = [] if weights is None else [i for i, m in enumerate(self.mixers)
+                                               if not m.has_weights]
+        if without:
             titles = " and ".join(dict.fromkeys(self.mixers[i].title for i in without))
             raise ValueError(f"layers {without} are {titles} layers (cfg.layer_kinds): "
                              "they have no attention weights to return")
