@@ -513,9 +513,12 @@ def evaluate_parser() -> argparse.ArgumentParser:
                              "(a checkpoint, or none for the model's own log-probability "
                              "margins); default: a preference run's starting weights")
     parser.add_argument("--task", nargs="?", const="auto", default=None,
-                        help="score pass@1 on a verifiable task's held-out prompts (greedy, "
-                             "one try each): with no value the run's RL task, or addition, "
+                        help="score a verifiable task's held-out prompts: pass@1 (greedy, "
+                             "one try each) and the mean reward of --samples answers a prompt "
+                             "at temperature 1; with no value the run's RL task, or addition, "
                              "reverse, count")
+    parser.add_argument("--samples", type=int, default=8,
+                        help="with --task: answers sampled a prompt (0: greedy pass@1 alone)")
     parser.add_argument("--tasks", default=None,
                         help="standard benchmarks, comma-separated (hellaswag,arc_easy,"
                              "arc_challenge,piqa,winogrande,lambada; task:regime picks a "
@@ -544,6 +547,8 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
             raise ValueError("--batch_size and --limit must be 1 or more")
+        if args.samples < 0:
+            raise ValueError(f"--samples {args.samples}: use 0 (greedy pass@1 alone) or more")
         model, tokenizer, loaded_hparams = load_checkpoint(args.checkpoint,
                                                            torch.device(args.device))
         if loaded_hparams.get("classes"):
@@ -572,8 +577,12 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
             return _print_preferences(model, tokenizer, loaded_hparams, args)
         if args.task is not None:
             score, name = score_task(model, tokenizer, template_for(tokenizer, loaded_hparams),
-                                     args.task, loaded_hparams, hparams, args.limit)
-            return say(f"{name}\npass@1 {score:.4f}")
+                                     args.task, loaded_hparams, hparams, args.limit,
+                                     args.samples)
+            sampled = (f"\nsampled reward {score.reward:.4f}  pass@{score.samples} "
+                       f"{score.pass_at_k:.4f}  ({score.samples} answers a prompt at "
+                       "temperature 1: what GRPO optimises)" if score.samples else "")
+            return say(f"{name}\npass@1 {score.pass_at_1:.4f}  (greedy){sampled}")
         if args.responses is None and args.data is None and hparams.get("records"):
             args.responses = "auto"  # a run on chat records: its held-out responses
         if args.responses is not None:

@@ -3,6 +3,7 @@ their metrics, their checkpoints loading wherever a checkpoint loads (generate, 
 evaluate.py, export), the reference kept across a resume, and a half-given run refused."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -153,6 +154,34 @@ def test_grpo_on_a_shipped_task_logs_its_metrics_and_scores_pass_at_1(
     assert evaluate_main(["--checkpoint", str(run / "checkpoints" / "last.ckpt")]) == 0
     said = capsys.readouterr().out
     assert "12 held-out prompts of addition, template gptmini" in said and "pass@1" in said
+    assert "sampled reward" in said and "pass@8" in said
+
+
+def test_sft_rollouts_and_evaluation_render_one_template(tmp_path, corpus, source, capsys):
+    """A failure mode of GRPO (issue 56): the fine-tune before it taught one format, and the
+    rollouts or the scoring ask in another, so every reward measures a model out of its
+    format. The fine-tune here takes a template of its own (not gptmini's, its source's);
+    GRPO from it, with "auto", samples in that one, and evaluate.py scores in it."""
+    terse = replace(GPTMINI, name="terse", source=(
+        "{%- for m in messages -%}{{ '<|' + m['role'] + '|>Q ' + m['content'] + '<|end|>' }}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"))
+    (tmp_path / "terse.json").write_text(json.dumps(terse.to_dict()))
+    assert main(run_args(tmp_path, corpus, source, "--data.chat.records", "task:addition:2",
+                         "--data.chat.template", str(tmp_path / "terse.json"),
+                         "--run_name", "sft", "--trainer.max_steps", "4")) == 0
+    sft = tmp_path / "runs" / "sft" / "checkpoints" / "last.ckpt"
+    capsys.readouterr()
+    assert main(run_args(tmp_path, corpus, sft, "--data.rl.task", "addition",
+                         "--data.rl.size", "1", "--data.rl.heldout", "8",
+                         "--data.rl.train_prompts", "16", "--model.grpo.group_size", "2",
+                         "--model.grpo.max_new_tokens", "4", "--run_name", "grpo",
+                         "--trainer.max_steps", "4")) == 0
+    assert "rl task addition, template terse:" in capsys.readouterr().out
+    grpo = tmp_path / "runs" / "grpo" / "checkpoints" / "last.ckpt"
+    tuned, rolled = (torch.load(path, weights_only=True)["chat_template"] for path in (sft, grpo))
+    assert tuned["source"] == terse.source and rolled == tuned
+    assert evaluate_main(["--checkpoint", str(grpo), "--samples", "2"]) == 0
+    assert "held-out prompts of addition, template terse" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("extra", "words"), [
