@@ -63,7 +63,8 @@ from gptmini.model import (  # noqa: E402
 )
 from gptmini.runtime import auto_precision  # noqa: E402
 from gptmini.tokenizer import load_tokenizer  # noqa: E402
-from gptmini.train.optim import adamw, muon_adamw  # noqa: E402
+from gptmini.train.muon import muon_adamw  # noqa: E402
+from gptmini.train.optim import adamw  # noqa: E402
 
 BOOK = {  # today's default run (configs/book-gpt2.yaml): the book's GPT-2 blocks, AdamW
     "model": {"context_length": 128, "emb_dim": 256, "n_heads": 4, "n_layers": 4,

@@ -24,9 +24,8 @@ from gptmini.model.flops import flops_per_token
 from gptmini.runtime import compile_blocker, peak_flops_of, precision_dtype
 from gptmini.tokenizer import get_tokenizer
 from gptmini.train.adapters import check_base, trained_weights
+from gptmini.train.muon import NS_SET, NS_STEPS
 from gptmini.train.optim import (
-    NS_SET,
-    NS_STEPS,
     OptimizerSettings,
     apply_changed_settings,
     check_settings,

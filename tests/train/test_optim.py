@@ -14,19 +14,21 @@ from helpers import HostReads, make_model
 
 from gptmini.model import lm_loss
 from gptmini.train.module import GPTLitModule
-from gptmini.train.optim import (
+from gptmini.train.muon import (
     NS_COEFFICIENTS,
     NS_SET,
     NS_STEPS,
     BatchedMuon,
     MuonAdamW,
+    muon_adamw,
+    newton_schulz_dtype,
+    orthogonalize,
+)
+from gptmini.train.optim import (
     OptimizerSettings,
     apply_changed_settings,
     lr_factor,
     make_optimizer,
-    muon_adamw,
-    newton_schulz_dtype,
-    orthogonalize,
     skips_on_device,
     warmup_cosine,
 )
@@ -67,7 +69,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_everything_else():
 def bf16_newton_schulz(monkeypatch):
     """torch.optim.Muon iterates in bf16 on any device; ours does where the device has bf16
     units (this CPU may not): the comparisons with torch's pin it."""
-    monkeypatch.setattr("gptmini.train.optim.newton_schulz_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr("gptmini.train.muon.newton_schulz_dtype", lambda device: torch.bfloat16)
 
 
 def test_one_optimizer_steps_as_torchs_muon_and_adamw_stepped_apart(bf16_newton_schulz):

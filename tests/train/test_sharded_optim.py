@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from gptmini.model import lm_loss
-from gptmini.train.optim import muon_adamw, orthogonalize, sharded_orthogonalize
+from gptmini.train.muon import muon_adamw, orthogonalize, sharded_orthogonalize
 from gptmini.train.steps import clip_gradients
 
 RATES = dict(learning_rate=3e-3, muon_learning_rate=5e-3, weight_decay=0.1, betas=(0.9, 0.95))
