@@ -27,12 +27,15 @@ from gptmini.generate.rollouts import Rollouts, rollout
 
 
 def rewards(verifier: VerifiableTask, tokenizer: tiktoken.Encoding, problems: Sequence[Problem],
-            runs: Rollouts) -> torch.Tensor:
-    """(len(problems), G) the answer reward of each of `runs`' samples (G a problem)."""
+            runs: Rollouts, format_weight: float = 0.0) -> torch.Tensor:
+    """(len(problems), G) the reward of each of `runs`' samples (G a problem), its stop id
+    left out of the text: the answer's, plus `format_weight` for a well-formed answer that
+    stopped (`VerifiableTask.reward`; 0: the answer's alone)."""
     g = runs.group_size
     return torch.tensor([
-        verifier.answer_reward(problems[i // g],
-                               tokenizer.decode(completion[:-1] if stopped else completion))
+        verifier.reward(problems[i // g],
+                        tokenizer.decode(completion[:-1] if stopped else completion), stopped,
+                        format_weight)
         for i, (completion, stopped) in enumerate(zip(runs.completions, runs.stopped,
                                                       strict=True))]).view(-1, g)
 

@@ -26,7 +26,7 @@ import tiktoken
 import torch
 from torch import Tensor
 
-from gptmini.analysis.verifiable import pass_at_1
+from gptmini.analysis.verifiable import pass_at_1, rewards
 from gptmini.chat import ChatTemplate
 from gptmini.data.rl import ProblemBatch
 from gptmini.data.verifiable import Problem, VerifiableTask
@@ -131,21 +131,15 @@ class GRPO(Task):
         g = self.settings.group_size
         runs = rollout(model, prompts, g, max_new_tokens=self.settings.max_new_tokens,
                        stop_ids=self.stop_ids, seed=self.seed + step * len(prompts) * g)
-        rewards = torch.tensor([
-            self.verifier.reward(problems[i // g], self._text(completion, stopped), stopped,
-                                 self.settings.format_weight)
-            for i, (completion, stopped) in enumerate(zip(runs.completions, runs.stopped,
-                                                          strict=True))])
+        earned = rewards(self.verifier, self.tokenizer, problems, runs,
+                         self.settings.format_weight).flatten()
         device = next(model.parameters()).device
         rows = tuple(t.to(device) for t in runs.rows(self.tokenizer.eot_token))
         reference = None
         if self.reference is not None:
             reference = self.reference(model, token_log_probs, rows[0], rows[1],
                                        loss_fn=self.lm_loss)
-        return Scored(runs, rewards, group_advantages(rewards, g).to(device), rows, reference)
-
-    def _text(self, completion: list[int], stopped: bool) -> str:
-        return self.tokenizer.decode(completion[:-1] if stopped else completion)
+        return Scored(runs, earned, group_advantages(earned, g).to(device), rows, reference)
 
     def learn(self, model: GPTModel, scored: Scored, first: bool = True
               ) -> tuple[Tensor, Metrics]:
