@@ -44,9 +44,9 @@ from gptmini.chat import (
 )
 from gptmini.checkpoint import CONFIG_FIELDS, read_checkpoint, tokenizer_entry
 from gptmini.data import Corpus, GPTDataModule
-from gptmini.data.chat import read_chat_records
+from gptmini.data.chat import Chat, read_chat_records
 from gptmini.data.labels import Labels
-from gptmini.data.preference import is_book_layout, read_pairs
+from gptmini.data.preference import Preference, is_book_layout, read_pairs
 from gptmini.data.rl import RL
 from gptmini.data.verifiable import VerifiableTask
 from gptmini.data.vocab import parse_bpe
@@ -174,9 +174,10 @@ def plan_epochs(config, trainer_given: Collection[str], say: Say) -> None:
     so the same command on the same machine trains the same weights. Records (chat, pairs,
     labels, prompts) are not a corpus: their runs keep their steps."""
     epochs, data = config.get("max_corpus_epochs"), config.data
-    records = (data.chat.records, data.preference.records, data.rl.task, data.labels.task,
-               data.labels.label_field)
-    if epochs is None or "max_steps" in trainer_given or any(r is not None for r in records):
+    if epochs is None or "max_steps" in trainer_given:
+        return
+    parts = ((Labels, data.labels), (Chat, data.chat), (Preference, data.preference), (RL, data.rl))
+    if any(kind(**part.as_dict()).active for kind, part in parts):
         return
     corpus = Corpus(**{**data.corpus.as_dict(), "tokenizer": config.model.tokenizer})
     train_tokens = len(corpus.tokens(quiet=True)[0])  # cached: the data module reads it again
