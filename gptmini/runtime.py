@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["AUTO", "DENSE_GPU_PEAKS", "add_device_options", "auto_dtype", "auto_precision",
            "compile_blocker", "cpu_has_bf16", "device_has_bf16", "measure_matmul_flops",
-           "peak_flops_of", "resolve_device"]
+           "onednn_has_bf16", "peak_flops_of", "resolve_device"]
 
 AUTO = "auto"
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -32,7 +32,8 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 @functools.cache
 def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 arithmetic units (AVX512-BF16 or AMX), from /proc/cpuinfo.
+    """Whether this CPU has bf16 arithmetic units (AVX512-BF16 or AMX), from /proc/cpuinfo,
+    and oneDNN, which runs its matmuls, may use them (`onednn_has_bf16`).
 
     Linux's flags are the public record; elsewhere (macOS, Windows) the answer is False, the
     safe side: float32 is never slow.
@@ -45,7 +46,14 @@ def cpu_has_bf16() -> bool:
         return False
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
                   if line.startswith("flags")), [])
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
+    return any(flag in flags for flag in CPU_BF16_FLAGS) and onednn_has_bf16()
+
+
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN computes bf16 natively here: False where it is held below the CPU's
+    instructions (ONEDNN_MAX_CPU_ISA=AVX2, the stand-in for an AVX2-only CPU in
+    docs/recipes.md), where a bf16 matmul is emulated (2 GFLOP/s against 720 on a Xeon)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def device_has_bf16(device: torch.device | str) -> bool:
@@ -71,7 +79,8 @@ def auto_precision(accelerator: str | None) -> tuple[str, str]:
     if accelerator in ("auto", "cpu"):
         if cpu_has_bf16():
             return "bf16-mixed", "the CPU has AVX512-BF16 or AMX"
-        return "32-true", "the CPU has neither AVX512-BF16 nor AMX"
+        return "32-true", ("the CPU has neither AVX512-BF16 nor AMX, or oneDNN may not use "
+                           "them (ONEDNN_MAX_CPU_ISA)")
     return "32-true", f"accelerator {accelerator!r}"
 
 

@@ -1,5 +1,9 @@
 """The "auto" precision: bf16 where the hardware has bf16 units, float32 elsewhere."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +23,7 @@ def cpu(monkeypatch):
         monkeypatch.setattr(precision.Path, "read_text",
                             lambda self: CPUINFO.format(extra=extra))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(precision, "onednn_has_bf16", lambda: True)
         cpu_has_bf16.cache_clear()
 
     yield with_flags
@@ -36,6 +41,22 @@ def test_auto_is_bf16_only_on_cpus_with_bf16_units(cpu, flags, expected):
     assert auto_precision("auto")[0] == expected == auto_precision("cpu")[0]
     assert auto_dtype("auto", "cpu") == (torch.bfloat16 if expected == "bf16-mixed"
                                          else torch.float32)
+
+
+def test_auto_is_float32_where_onednn_is_held_below_the_cpus_bf16(cpu, monkeypatch):
+    """bf16 flags, but oneDNN limited to AVX2 (the docs' stand-in for an AVX2-only CPU):
+    its bf16 matmuls would be emulated, so float32."""
+    cpu("avx512f amx_tile amx_bf16")
+    monkeypatch.setattr(precision, "onednn_has_bf16", lambda: False)
+    assert auto_precision("cpu")[0] == "32-true"
+
+
+def test_onednn_held_to_avx2_has_no_bf16():
+    """On any x86 CPU: ONEDNN_MAX_CPU_ISA=AVX2 (read when oneDNN starts) leaves no bf16."""
+    code = "from gptmini.runtime import onednn_has_bf16; print(onednn_has_bf16())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_auto_on_a_gpu_asks_the_gpu(monkeypatch):
