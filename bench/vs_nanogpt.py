@@ -21,6 +21,8 @@ those before it in its window): summed nats / the text's bytes / ln 2.
     python bench/vs_nanogpt.py --train book.txt --val held.txt   # a corpus of your own
     python bench/vs_nanogpt.py --seconds 300 --skip_gptmini      # nanoGPT's side alone
 
+Two public-domain corpora the recipe was not tuned on: bench/corpora.py writes their splits.
+
 The embedded corpus is split by works: every tenth of its 42 (sorted by name) is validation.
 Prints the CPU, each side's wall clock, steps and bits per byte, and the difference.
 """
