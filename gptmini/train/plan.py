@@ -150,10 +150,11 @@ def plan_steps(config, precision: str, trainer_given: Collection[str], say: Say)
 
     The default recipe was timed with bf16 matmuls (AVX512-BF16 or AMX); a CPU without them
     (AVX2 alone) trains it in float32, about half as fast: with AVX2 forced on a 2-core AMD
-    EPYC, 0.70 s a step against 0.37 in bf16, 12 minutes for the 960 steps where the README
-    promises 4-10 (docs/recipes.md). The count follows from the CPU and the precision alone,
-    never from a clock, so the same command on the same machine trains the same weights (a
-    resume included: it keeps its checkpoint's precision). --trainer.max_steps given wins."""
+    EPYC, 0.70 s a step against 0.37 in bf16, 12 minutes for the 960 steps (docs/recipes.md);
+    a real AVX2-only Zen 3 steps about twice as slowly again. The count follows from the CPU
+    and the precision alone, never from a clock, so the same command on the same machine
+    trains the same weights (a resume included: it keeps its checkpoint's precision).
+    --trainer.max_steps given wins."""
     steps = config.get("cpu_float32_steps")
     if steps is None or "max_steps" in trainer_given or not on_cpu(config.trainer.accelerator):
         return
