@@ -26,9 +26,7 @@ JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 def jargon() -> tuple[str, str]:
     """The Jargon File's (train, validation) texts."""
     lines = gzip.open(JARGON, "rt").read().splitlines(keepends=True)
-    blocks = ["".join(lines[i:i + 100]) for i in range(0, len(lines), 100)]
-    return ("".join(b for i, b in enumerate(blocks) if i % 10 != 5),
-            "".join(b for i, b in enumerate(blocks) if i % 10 == 5))
+    return split(["".join(lines[i:i + 100]) for i in range(0, len(lines), 100)])
 
 
 def kjv(size: float = 3.0e6) -> tuple[str, str]:
@@ -45,8 +43,13 @@ def kjv(size: float = 3.0e6) -> tuple[str, str]:
             break
         taken.append("".join(text))
         total += len(taken[-1])
-    return ("".join(b for i, b in enumerate(taken) if i % 10 != 5),
-            "".join(b for i, b in enumerate(taken) if i % 10 == 5))
+    return split(taken)
+
+
+def split(pieces: list[str]) -> tuple[str, str]:
+    """(train, validation): every tenth piece, the sixth of each ten, is validation."""
+    return ("".join(p for i, p in enumerate(pieces) if i % 10 != 5),
+            "".join(p for i, p in enumerate(pieces) if i % 10 == 5))
 
 
 def main():
