@@ -8,7 +8,9 @@ compile cache, so its first step pays what a new user's first run pays (tracing,
 building the kernels, here with the competitor on the other core). Prints the CPU, then per
 run: startup (imports, data, model), the first step (compiling, for a compiled run), the
 steady state (median step, tokens/s), the wall clock of the capped run and the full run's
-projected from those parts (startup, first step, 959 median steps, 5 validations); then the
+projected from those parts (startup, first step, the rest of the default run's steps at the
+median step, its validations; in float32 the run's steps are its config's
+cpu_float32_steps, as train.py plans them); then the
 goals of issue 48: beside the competitor at least 0.4x the steady throughput alone, and at
 most 2.5x the whole wall clock alone. The mode `unordered` is the compiled run without
 `deterministic_kernels` (gptmini/train/compiling.py): beside `compiled`, what exact runs cost.
@@ -33,13 +35,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_STEPS = 960
-"""The default run's max_steps (gptmini/configs/shakespeare-cpu.yaml): the projection's."""
-VALIDATE_EVERY = 200
-VALIDATIONS = DEFAULT_STEPS // VALIDATE_EVERY + 1
-"""The default run validates every 200 steps and after its last: 5 times."""
+DEFAULT_CONFIG = REPO / "gptmini" / "configs" / "shakespeare-cpu.yaml"
 SPINNER = "while True: pass"
+
+
+def default_run(precision: str) -> tuple[int, int]:
+    """(steps, validation interval) of the default run in `precision`, as train.py plans it:
+    its config's cpu_float32_steps where a CPU trains in float32, else its max_steps."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    float32 = precision in ("32", "32-true")
+    steps = config["cpu_float32_steps"] if float32 else config["trainer"]["max_steps"]
+    return steps, config["trainer"]["val_check_interval"]
 
 
 def child(spec: dict) -> None:
@@ -103,9 +112,10 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     its whole wall clock."""
     name = name or f"{mode}-beside-{competitors}-threads-{threads or 'default'}"
     out = root / f"{name}.json"
+    every = default_run("bf16-mixed")[1]
     args = ["--trainer.default_root_dir", str(root / "runs"), "--run_name", name,
             "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
-            "--trainer.val_check_interval", str(min(steps, VALIDATE_EVERY)),  # one at least
+            "--trainer.val_check_interval", str(min(steps, every)),  # one at least
             "--model.compile", str(mode != "eager").lower(), *extra]
     cache = tempfile.mkdtemp(prefix="inductor-", dir=root)  # a first run's empty cache
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -126,11 +136,12 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     figures = json.loads(out.read_text())
+    full, every = default_run(figures["precision"])
+    validations = -(-full // every)  # every `every` steps, and after the last
     projected = (figures["startup"] + figures["first_step"]  # samples and saves left out
-                 + (DEFAULT_STEPS - 1) * figures["median_step"]
-                 + VALIDATIONS * figures["validation"])
+                 + (full - 1) * figures["median_step"] + validations * figures["validation"])
     return {**figures, "mode": mode, "competitors": competitors, "wall": wall,
-            "projected": projected,
+            "projected": projected, "full_steps": full,
             "tokens_per_sec": figures["tokens_per_step"] / figures["median_step"]}
 
 
@@ -144,15 +155,16 @@ def where(row: dict) -> str:
 
 def whole(row: dict, steps: int) -> tuple[float, str]:
     """The whole default run's wall clock: measured when the run was whole, else projected."""
-    return (row["wall"], "measured") if steps >= DEFAULT_STEPS else (row["projected"],
-                                                                      "projected")
+    return (row["wall"], "measured") if steps >= row["full_steps"] else (row["projected"],
+                                                                         "projected")
 
 
 def table(rows: list[dict], steps: int) -> None:
     """Every run's parts: startup, the first step (compiling, for a compiled run) and the
     steady state apart."""
+    full = rows[0]["full_steps"]  # one precision for every run
     print(f"{'run':34s} {'startup':>8s} {'first step':>11s} {'median step':>12s} {'tokens/s':>9s}"
-          f" {'wall, ' + str(steps) + ' steps':>17s} {'projected ' + str(DEFAULT_STEPS):>16s}")
+          f" {'wall, ' + str(steps) + ' steps':>17s} {'projected ' + str(full):>16s}")
     for r in rows:
         print(f"{r['kind'] + ', ' + where(r):34s} {r['startup']:7.1f}s {r['first_step']:10.1f}s"
               f" {1000 * r['median_step']:10.1f}ms {r['tokens_per_sec']:9,.0f}"
@@ -211,8 +223,8 @@ def report(rows: list[dict], steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100,
-                        help="the step cap of each run (default: %(default)s; the default run "
-                             f"has {DEFAULT_STEPS})")
+                        help="the step cap of each run (default: %(default)s; the default run's "
+                             "max_steps, or cpu_float32_steps in float32, measures it whole)")
     parser.add_argument("--modes", nargs="+", default=["compiled", "eager"],
                         choices=["compiled", "eager", "unordered"],
                         help="unordered: compiled without deterministic kernels")
