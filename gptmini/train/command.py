@@ -156,6 +156,9 @@ class GPTCLI(LightningCLI):
                             help="Steps instead of --trainer.max_steps where a CPU trains in "
                                  "float32 (no bf16 units) and the steps are not given: the "
                                  "default run's, timed with bf16 (null: off).")
+        parser.add_argument("--cpu_float32_compile", type=bool | None, default=None,
+                            help="--model.compile where a CPU trains in float32 and it is not "
+                                 "given: the default run's false (null: off).")
         parser.add_argument("--max_corpus_epochs", type=float | None, default=None,
                             help="Where --trainer.max_steps is not given, train at most this "
                                  "many passes over the corpus's training tokens: fewer steps "

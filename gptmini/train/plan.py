@@ -6,8 +6,9 @@ place, in the order each depends on the last:
 
     precision       "auto": the checkpoint's when resuming, else bf16 where the device has it
     steps           --cpu_float32_steps instead of --trainer.max_steps where a CPU trains in
-                    float32 (no bf16 units) and the steps were not given: the default run's;
-                    then at most --max_corpus_epochs passes over a small corpus
+                    float32 (no bf16 units) and the steps were not given: the default run's,
+                    and there --cpu_float32_compile for --model.compile; then at most
+                    --max_corpus_epochs passes over a small corpus
     source          --model.init_from read (`Source`): its architecture fills the model
                     settings not given, and a setting that contradicts it is refused
     tokenizer       a resume's own, the source's, a fitted bpe:N, or the one named
@@ -109,6 +110,7 @@ def plan_run(config, run: Path, given: Collection[str], say: Say,
     resumed = resumed_checkpoint(config.ckpt_path, run)
     precision = plan_precision(config.trainer, resumed, say)
     plan_steps(config, precision, trainer_given, say)
+    plan_compile(config, precision, given, say)
     source = plan_source(config, resumed, given)
     tokenizer = plan_tokenizer(config, resumed, source, given, run, say)
     plan_epochs(config, trainer_given, say)
@@ -156,13 +158,34 @@ def plan_steps(config, precision: str, trainer_given: Collection[str], say: Say)
     trains the same weights (a resume included: it keeps its checkpoint's precision).
     --trainer.max_steps given wins."""
     steps = config.get("cpu_float32_steps")
-    if steps is None or "max_steps" in trainer_given or not on_cpu(config.trainer.accelerator):
-        return
-    if precision_dtype(precision) != torch.float32:
+    if steps is None or "max_steps" in trainer_given or not float32_on_cpu(config, precision):
         return
     config.trainer.max_steps = steps
     say(f"steps: {steps} (--cpu_float32_steps: this CPU trains in float32, about half as "
         f"fast as the bf16 the recipe was timed in; --trainer.max_steps N trains N)")
+
+
+def plan_compile(config, precision: str, given: Collection[str], say: Say) -> None:
+    """--cpu_float32_compile: --model.compile where a CPU trains in float32.
+
+    Compiling pays in bf16 (fused casts and norms: a compiled step of the default run 0.84x
+    an eager one on a Zen 4) but hardly in float32, where the matmuls are the step: with
+    AVX2 forced on a 2-core Xeon, 740 ms compiled against 758 eager, while the first step
+    compiled for 36 s, so the run finished sooner eager (`bench/bench_busy.py`,
+    docs/recipes.md). --model.compile given wins."""
+    choice = config.get("cpu_float32_compile")
+    if (choice is None or "compile" in given or config.model.compile == choice
+            or not float32_on_cpu(config, precision)):
+        return
+    config.model.compile = choice
+    say(f"compile: {'on' if choice else 'off'} (--cpu_float32_compile "
+        f"{str(choice).lower()}: in float32 on a CPU the matmuls are the step, which "
+        f"compiling leaves as they are; --model.compile {str(not choice).lower()} overrides)")
+
+
+def float32_on_cpu(config, precision: str) -> bool:
+    """Whether the run trains in float32 on the CPU (one without bf16 units, or asked to)."""
+    return on_cpu(config.trainer.accelerator) and precision_dtype(precision) == torch.float32
 
 
 def plan_epochs(config, trainer_given: Collection[str], say: Say) -> None:

@@ -129,8 +129,8 @@ def default_run_args(tmp_path, corpus, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize(("has_bf16", "flags", "steps"), [
     (True, (), 960),                                    # the recipe as timed
-    (False, (), 600),                                   # an AVX2 CPU: float32, fewer steps
-    (True, ("--trainer.precision", "32-true"), 600),    # float32 asked for: as slow
+    (False, (), 450),                                   # an AVX2 CPU: float32, fewer steps
+    (True, ("--trainer.precision", "32-true"), 450),    # float32 asked for: as slow
     (False, ("--trainer.max_steps", "960"), 960),       # the steps given win
     (False, ("--trainer.max_steps", "300"), 300),
     (False, ("--cpu_float32_steps", "null"), 960),      # the rule off
@@ -145,6 +145,25 @@ def test_the_default_run_trains_fewer_steps_where_a_cpu_trains_in_float32(
     cli = build_cli(default_run_args(tmp_path, corpus, "--max_corpus_epochs", "null", *flags))
     assert cli.config.trainer.max_steps == steps
     assert cli.trainer.max_steps == steps
+
+
+@pytest.mark.parametrize(("has_bf16", "flags", "compiled"), [
+    (True, (), True),                                   # bf16: compiling pays
+    (False, (), False),                                 # an AVX2 CPU: float32, eager
+    (True, ("--trainer.precision", "32-true"), False),  # float32 asked for: the same
+    (False, ("--model.compile", "true"), True),         # compile given wins
+    (False, ("--cpu_float32_compile", "null"), True),   # the rule off
+])
+def test_the_default_run_trains_eagerly_where_a_cpu_trains_in_float32(
+        tmp_path, corpus, monkeypatch, capsys, has_bf16, flags, compiled):
+    """Issue 54: in float32 the matmuls are the step and compiling saved less than its first
+    step cost, so the default trains eagerly there (--cpu_float32_compile), saying so."""
+    monkeypatch.setattr("gptmini.runtime.cpu_has_bf16", lambda: has_bf16)
+    cli = build_cli(default_run_args(tmp_path, corpus, *flags))
+    assert cli.config.model.compile is compiled
+    assert cli.model.hparams.compile is compiled
+    said = "compile: off (--cpu_float32_compile false: in float32 on a CPU the matmuls"
+    assert (said in capsys.readouterr().out) == (not compiled)
 
 
 @pytest.mark.parametrize(("flags", "capped"), [
