@@ -42,15 +42,6 @@ DEFAULT_CONFIG = REPO / "gptmini" / "configs" / "shakespeare-cpu.yaml"
 SPINNER = "while True: pass"
 
 
-def default_run(precision: str) -> tuple[int, int]:
-    """(steps, validation interval) of the default run in `precision`, as train.py plans it:
-    its config's cpu_float32_steps where a CPU trains in float32, else its max_steps."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    float32 = precision in ("32", "32-true")
-    steps = config["cpu_float32_steps"] if float32 else config["trainer"]["max_steps"]
-    return steps, config["trainer"]["val_check_interval"]
-
-
 def child(spec: dict) -> None:
     """One measured run, as train.py starts it (the OpenMP policy before torch loads, glibc
     keeping freed memory), with a clock on every step; writes its figures to spec["out"]."""
@@ -61,6 +52,7 @@ def child(spec: dict) -> None:
     from lightning.pytorch import Callback
 
     from gptmini.train.command import build_cli, fit, keep_freed_memory
+    from gptmini.train.plan import float32_on_cpu
 
     class StepClock(Callback):
         def __init__(self):
@@ -102,6 +94,7 @@ def child(spec: dict) -> None:
         "validation": statistics.fmean(clock.validations or [0.0]),
         "tokens_per_step": clock.tokens,
         "threads": torch.get_num_threads(), "precision": str(cli.trainer.precision),
+        "float32": float32_on_cpu(cli.config, cli.config.trainer.precision),
         "compiled": bool(cli.model.compiled)}))
 
 
@@ -112,7 +105,8 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     its whole wall clock."""
     name = name or f"{mode}-beside-{competitors}-threads-{threads or 'default'}"
     out = root / f"{name}.json"
-    every = default_run("bf16-mixed")[1]
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    every = config["trainer"]["val_check_interval"]
     args = ["--trainer.default_root_dir", str(root / "runs"), "--run_name", name,
             "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
             "--trainer.val_check_interval", str(min(steps, every)),  # one at least
@@ -136,7 +130,9 @@ def measure(mode: str, competitors: int, steps: int, extra: list[str], root: Pat
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     figures = json.loads(out.read_text())
-    full, every = default_run(figures["precision"])
+    # the whole default run's steps as train.py plans them (float32 on a CPU: fewer)
+    full = (config["cpu_float32_steps"] if figures["float32"]
+            else config["trainer"]["max_steps"])
     validations = -(-full // every)  # every `every` steps, and after the last
     projected = (figures["startup"] + figures["first_step"]  # samples and saves left out
                  + (full - 1) * figures["median_step"] + validations * figures["validation"])

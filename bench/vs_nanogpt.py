@@ -156,7 +156,7 @@ def nanogpt(train: str, val: str, seconds: float, seed: int = 1337) -> dict:
         step(it, 10**9)  # (warmup: the total does not matter yet)
     t0 = time.perf_counter()
     for it in range(20, 70):
-        step(it, 10**9)
+        step(it, 10**9)  # (still within the 100 warmup steps)
     total = total_at(70, t0, 50)
     it, halfway = 70, (70 + total) // 2
     while it < total:

@@ -168,11 +168,10 @@ def plan_steps(config, precision: str, trainer_given: Collection[str], say: Say)
 def plan_compile(config, precision: str, given: Collection[str], say: Say) -> None:
     """--cpu_float32_compile: --model.compile where a CPU trains in float32.
 
-    Compiling pays in bf16 (fused casts and norms: a compiled step of the default run 0.84x
-    an eager one on a Zen 4) but hardly in float32, where the matmuls are the step: with
-    AVX2 forced on a 2-core Xeon, 740 ms compiled against 758 eager, while the first step
-    compiled for 36 s, so the run finished sooner eager (`bench/bench_busy.py`,
-    docs/recipes.md). --model.compile given wins."""
+    Compiling pays in bf16 (fused casts and norms) but hardly in float32, where the matmuls
+    are the step: the run finished sooner eager, its first compiled step costing more than
+    the rest saved (measured in docs/benchmarks.md, "The default run beside other work").
+    --model.compile given wins."""
     choice = config.get("cpu_float32_compile")
     if (choice is None or "compile" in given or config.model.compile == choice
             or not float32_on_cpu(config, precision)):
